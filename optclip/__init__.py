@@ -1,0 +1,46 @@
+"""optclip: gradient clippers and normalizers as ``optax.GradientTransformation``s.
+
+Every transform composes with ``optax.chain``::
+
+    tx = optax.chain(optclip.clip_by_global_norm(1.0), optax.adam(3e-4))
+
+and ``optclip.stats(opt_state)`` returns what a training loop wants to log.
+"""
+
+from optclip._core.stats import stats
+from optclip.clipping import (
+    centralize,
+    clip_by_global_norm,
+    clip_grad_norm,
+    clip_grad_value,
+    clip_norm,
+    clip_value,
+    normalize,
+    normalize_grads,
+    zscore_normalize,
+)
+
+# family: ema (issue 3)
+# family: growth (issue 3)
+# family: history (issue 4)
+# family: lp_space (issue 5)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "stats",
+    # stateless (clipping.py)
+    "centralize",
+    "clip_by_global_norm",
+    "clip_grad_norm",
+    "clip_grad_value",
+    "clip_norm",
+    "clip_value",
+    "normalize",
+    "normalize_grads",
+    "zscore_normalize",
+    # ema.py
+    # growth.py
+    # history.py
+    # lp_space.py
+]

@@ -1,0 +1,92 @@
+"""Which axes of a leaf a per-slice transform reduces over.
+
+Two vocabularies describe the same idea (``API.md``, "Axes vocabulary"):
+
+* torchzero's ``dim`` / ``inverse_dims`` / ``min_size``: ``dim=None`` means all axes of each leaf,
+  an int or a sequence of ints selects axes (negative allowed, axes at or beyond the leaf's rank
+  ignored), ``inverse_dims`` takes the complement, ``'global'`` means all leaves as one vector;
+* rai_toolbox's ``param_ndim``: ``None`` is the whole leaf, ``k >= 0`` the last ``k`` axes,
+  ``k < 0`` the last ``ndim + k`` axes; the leading axes are batch axes.
+
+Both resolve through :func:`reduction_axes`, per leaf, from the static shape (at trace time).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+
+from optclip._core import checks
+
+GLOBAL = "global"
+Dim = int | Sequence[int] | str | None
+_UNSET = object()
+
+
+def check_dim(dim: Dim, *, allow_global: bool = True) -> None:
+    """Construction-time validation of a torchzero-style ``dim``."""
+    if dim is None:
+        return
+    if isinstance(dim, str):
+        if allow_global and dim == GLOBAL:
+            return
+        allowed = "None, an int, a sequence of ints" + (" or 'global'" if allow_global else "")
+        raise ValueError(f"dim must be {allowed}; got {dim!r}")
+    entries = [dim] if isinstance(dim, numbers.Integral) else list(dim)
+    for entry in entries:
+        if isinstance(entry, bool) or not isinstance(entry, numbers.Integral):
+            raise TypeError(f"dim must contain ints, got {entry!r} in {dim!r}")
+
+
+def check_param_ndim(param_ndim: int | None) -> None:
+    checks.integer("param_ndim", param_ndim, allow_none=True)
+
+
+def param_ndim_to_axes(param_ndim: int | None, ndim: int) -> tuple[int, ...]:
+    """rai_toolbox's ``param_ndim`` for a leaf of rank ``ndim`` (spec/lp_space.md §1.2)."""
+    if param_ndim is None:
+        return tuple(range(ndim))
+    if abs(param_ndim) > ndim:
+        raise ValueError(
+            f"|param_ndim| must be <= the rank of every leaf; got param_ndim={param_ndim} for a "
+            f"leaf of rank {ndim} (use param_ndim=None to treat each leaf as one slice)"
+        )
+    kept = param_ndim if param_ndim >= 0 else ndim + param_ndim
+    return tuple(range(ndim - kept, ndim))
+
+
+def reduction_axes(
+    ndim: int, dim: Dim = None, inverse_dims: bool = False, *, param_ndim=_UNSET
+) -> tuple[int, ...] | None:
+    """Axes of a rank-``ndim`` leaf to reduce over, or ``None`` to leave the leaf alone.
+
+    Pass either the torchzero vocabulary (``dim``, ``inverse_dims``) or ``param_ndim``.
+    The returned axes are sorted, non-negative and unique. A 0-d leaf is treated as shape
+    ``(1,)`` (one one-element slice): its axes are ``()`` when the resolved set is non-empty.
+    Unlike torchzero 0.4.4, ``dim=None`` is resolved per leaf (spec/torchzero.md §4 D1) and
+    negative axes are normalised before ``inverse_dims`` is applied (D3).
+    """
+    if param_ndim is not _UNSET:
+        return param_ndim_to_axes(param_ndim, ndim)
+    if dim == GLOBAL:
+        raise ValueError("dim='global' is handled by the global path, not per leaf")
+    rank = max(ndim, 1)
+    if dim is None:
+        selected = set(range(rank))
+    else:
+        entries = [dim] if isinstance(dim, numbers.Integral) else list(dim)
+        # Axes outside [-rank, rank) do not exist on this leaf: ignore them.
+        selected = {d % rank for d in entries if -rank <= d < rank}
+    if inverse_dims:
+        selected = set(range(rank)) - selected
+    if not selected:
+        return None
+    if ndim == 0:
+        return ()
+    return tuple(sorted(selected))
+
+
+def slice_size(shape: Sequence[int], axes: Sequence[int]) -> int:
+    """Number of elements in one slice reduced over ``axes`` (1 for a 0-d leaf)."""
+    return math.prod(shape[a] for a in axes)

@@ -1,0 +1,110 @@
+"""Hyperparameter validation and "float or schedule" resolution.
+
+Every public factory validates its hyperparameters here, at construction time, so a bad value
+fails with a message naming the parameter and the allowed range instead of a trace-time error.
+
+Values that are jax arrays (for example the traced hyperparameters that
+``optax.inject_hyperparams`` passes in) or schedules (callables) cannot be checked without a host
+sync; they are accepted as they are.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Schedule = Callable[[jax.Array], Any]
+ScalarOrSchedule = float | jax.Array | Schedule
+
+
+def _is_checkable_number(value: Any) -> bool:
+    return isinstance(value, (numbers.Real, np.generic)) and not isinstance(value, bool)
+
+
+def _check_number(name: str, value: Any, allow_schedule: bool) -> bool:
+    """Raises TypeError for non-numbers; returns whether ``value`` is a concrete number."""
+    if allow_schedule and callable(value):
+        return False
+    if isinstance(value, (jax.Array, np.ndarray)) and not isinstance(value, np.generic):
+        if np.ndim(value) != 0:
+            raise TypeError(f"{name} must be a scalar, got an array of shape {np.shape(value)}")
+        return False
+    if not _is_checkable_number(value):
+        kind = "a number or a schedule (count -> value)" if allow_schedule else "a number"
+        raise TypeError(f"{name} must be {kind}, got {value!r} of type {type(value).__name__}")
+    return True
+
+
+def in_range(
+    name: str,
+    value: Any,
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    low_inclusive: bool = True,
+    high_inclusive: bool = True,
+    allow_schedule: bool = False,
+    allow_none: bool = False,
+) -> None:
+    """Check that ``value`` lies in the interval given by ``low``/``high``."""
+    if value is None:
+        if allow_none:
+            return
+        raise TypeError(f"{name} must be a number, got None")
+    if not _check_number(name, value, allow_schedule):
+        return
+    v = float(value)
+    lo_ok = low is None or (v >= low if low_inclusive else v > low)
+    hi_ok = high is None or (v <= high if high_inclusive else v < high)
+    if lo_ok and hi_ok and not np.isnan(v):
+        return
+    parts = []
+    if low is not None:
+        parts.append(f"{'>=' if low_inclusive else '>'} {low}")
+    if high is not None:
+        parts.append(f"{'<=' if high_inclusive else '<'} {high}")
+    raise ValueError(f"{name} must be {' and '.join(parts)}, got {value!r}")
+
+
+def positive(name: str, value: Any, *, allow_schedule: bool = False, allow_none: bool = False):
+    """``value > 0`` (or a schedule / traced value when allowed)."""
+    in_range(name, value, 0.0, low_inclusive=False, allow_schedule=allow_schedule,
+             allow_none=allow_none)
+
+
+def non_negative(name: str, value: Any, *, allow_schedule: bool = False, allow_none: bool = False):
+    """``value >= 0`` (or a schedule / traced value when allowed)."""
+    in_range(name, value, 0.0, allow_schedule=allow_schedule, allow_none=allow_none)
+
+
+def integer(name: str, value: Any, low: int | None = None, *, allow_none: bool = False) -> None:
+    """``value`` is a Python int (not bool) and ``>= low``."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, np.integer)):
+        raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value!r}")
+
+
+def one_of(name: str, value: Any, options: Sequence[Any]) -> None:
+    """``value`` is one of ``options``."""
+    if value not in options:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, options))}; got {value!r}")
+
+
+def boolean(name: str, value: Any) -> None:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+def resolve(value: ScalarOrSchedule, count: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """The value of a float-or-schedule hyperparameter at step ``count``."""
+    if callable(value):
+        value = value(count)
+    return jnp.asarray(value, dtype=dtype)

@@ -1,0 +1,216 @@
+"""Norms ("metrics") per slice, per leaf and over a whole pytree, and the scaling rules.
+
+Every ``ord`` of spec/torchzero.md §1.1 is supported: any number (``0`` counts non-zeros,
+``±inf`` is the max/min absolute value, negative orders allowed) and the strings ``'l0'``-``'l4'``,
+``'linf'``, ``'mad'`` (mean absolute value), ``'std'``/``'var'`` (ddof=1) and ``'sum'``.
+``'sum'`` is used as ``|Σx|`` wherever it serves as a norm, so a scaling transform never flips a
+sign (torchzero 0.4.4 scales by the signed sum: spec/torchzero.md §4 D7).
+
+Accumulation happens in float32 (float64 for float64 leaves) whatever the leaf dtype, so bf16
+pytrees with many leaves and float16 gradients of magnitude ~300 give the true norm. Global norms
+are combined from per-leaf partial reductions (scalars), never by concatenating leaves, so a
+sharded gradient is reduced where it lives.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optclip._core import axes as axes_lib
+
+Ord = int | float | str
+STRING_ORDS = ("l0", "l1", "l2", "l3", "l4", "linf", "mad", "std", "var", "sum")
+_NAMED_NUMBERS = {"l0": 0.0, "l1": 1.0, "l2": 2.0, "l3": 3.0, "l4": 4.0, "linf": math.inf}
+# Below this a metric counts as zero: the slice is left as it is (spec/torchzero.md §1.3, D8).
+TINY_NORM = 1e-12
+
+
+def canonical_ord(ord: Ord) -> float | str:
+    """Validate ``ord`` and map ``'l0'``-``'l4'``/``'linf'`` to numbers."""
+    if isinstance(ord, str):
+        if ord not in STRING_ORDS:
+            raise ValueError(
+                f"ord must be a number or one of {', '.join(map(repr, STRING_ORDS))}; got {ord!r}"
+            )
+        return _NAMED_NUMBERS.get(ord, ord)
+    if isinstance(ord, bool) or not isinstance(ord, (int, float, np.integer, np.floating)):
+        raise TypeError(f"ord must be a number or a string, got {ord!r}")
+    if math.isnan(float(ord)):
+        raise ValueError("ord must not be NaN")
+    return float(ord)
+
+
+def is_float(x: Any) -> bool:
+    """Whether a leaf takes part in clipping (integer and boolean leaves pass through)."""
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def acc_dtype(dtype) -> jnp.dtype:
+    """The dtype norms and statistics of a leaf are accumulated in."""
+    return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
+
+
+def stat_dtype() -> jnp.dtype:
+    """Dtype of running statistics: float32, or float64 when x64 is enabled."""
+    return jnp.dtype(jnp.float64) if jax.config.jax_enable_x64 else jnp.dtype(jnp.float32)
+
+
+def _wide(x: jax.Array) -> jax.Array:
+    return x.astype(acc_dtype(x.dtype))
+
+
+def slice_norm(x: jax.Array, ord: float | str, axes: tuple[int, ...]) -> jax.Array:
+    """Metric of every slice of ``x`` reduced over ``axes`` (keepdims), in the wide dtype.
+
+    ``axes=()`` treats every element as a one-element slice (also for 0-d leaves).
+    """
+    x = _wide(x)
+    k = math.prod(x.shape[a] for a in axes)
+    reduce = dict(axis=axes, keepdims=True)
+    if ord == "mad":
+        return jnp.sum(jnp.abs(x), **reduce) / k
+    if ord in ("std", "var"):
+        mean = jnp.sum(x, **reduce) / k
+        var = jnp.sum(jnp.square(x - mean), **reduce) / (k - 1) if k > 1 else jnp.full(
+            mean.shape, jnp.nan, x.dtype)
+        return jnp.sqrt(var) if ord == "std" else var
+    if ord == "sum":
+        return jnp.abs(jnp.sum(x, **reduce))
+    if ord == 2.0:
+        return jnp.sqrt(jnp.sum(jnp.square(x), **reduce))
+    if ord == 1.0:
+        return jnp.sum(jnp.abs(x), **reduce)
+    if ord == 0.0:
+        return jnp.sum((x != 0).astype(x.dtype), **reduce)
+    if ord == math.inf:
+        return jnp.max(jnp.abs(x), initial=0.0, **reduce)
+    if ord == -math.inf:
+        return jnp.min(jnp.abs(x), initial=math.inf, **reduce)
+    return jnp.sum(jnp.abs(x) ** ord, **reduce) ** (1.0 / ord)
+
+
+def leaf_norm(x: jax.Array, ord: float | str) -> jax.Array:
+    """Metric of a whole leaf as a 0-d array in the wide dtype."""
+    return slice_norm(x, ord, tuple(range(x.ndim))).reshape(())
+
+
+def _float_leaves(tree: Any) -> list[jax.Array]:
+    return [x for x in jax.tree.leaves(tree) if is_float(x)]
+
+
+def _combine(partials: list[jax.Array], how: Callable, empty: float) -> jax.Array:
+    if not partials:
+        return jnp.asarray(empty, jnp.float32)
+    return how(jnp.stack(jnp.broadcast_arrays(*jnp.atleast_1d(*partials))
+                         if len(partials) > 1 else jnp.atleast_1d(partials[0])))
+
+
+def tree_sum(partials: list[jax.Array]) -> jax.Array:
+    """Sum of per-leaf scalars, as one reduction (keeps compile time flat in the leaf count)."""
+    return _combine(partials, jnp.sum, 0.0)
+
+
+def global_norm(tree: Any, ord: float | str = 2.0) -> jax.Array:
+    """Metric of all floating leaves of ``tree`` taken as one vector (spec/torchzero.md §1.1b).
+
+    Computed from per-leaf partial reductions combined as scalars. Unlike torchzero 0.4.4,
+    ``ord=0`` counts non-zeros instead of raising (§4 D6).
+    """
+    leaves = _float_leaves(tree)
+    count = sum(x.size for x in leaves)
+    if ord == math.inf:
+        return _combine([jnp.max(jnp.abs(_wide(x)), initial=0.0) for x in leaves], jnp.max, 0.0)
+    if ord == -math.inf:
+        return _combine([jnp.min(jnp.abs(_wide(x)), initial=math.inf) for x in leaves],
+                        jnp.min, math.inf)
+    if ord in ("std", "var", "sum"):
+        total = tree_sum([jnp.sum(_wide(x)) for x in leaves])
+        if ord == "sum":
+            return jnp.abs(total)
+        mean = total / max(count, 1)
+        squares = tree_sum([jnp.sum(jnp.square(_wide(x) - mean)) for x in leaves])
+        var = squares / (count - 1) if count > 1 else jnp.full((), jnp.nan, squares.dtype)
+        return jnp.sqrt(var) if ord == "std" else var
+    if ord == "mad":
+        return tree_sum([jnp.sum(jnp.abs(_wide(x))) for x in leaves]) / max(count, 1)
+    if ord == 2.0:
+        return jnp.sqrt(tree_sum([jnp.sum(jnp.square(_wide(x))) for x in leaves]))
+    if ord == 1.0:
+        return tree_sum([jnp.sum(jnp.abs(_wide(x))) for x in leaves])
+    if ord == 0.0:
+        return tree_sum([jnp.sum((x != 0).astype(acc_dtype(x.dtype))) for x in leaves])
+    return tree_sum([jnp.sum(jnp.abs(_wide(x)) ** ord) for x in leaves]) ** (1.0 / ord)
+
+
+def leaf_norms(tree: Any, ord: float | str = 2.0) -> Any:
+    """Per-leaf metric: a tree of 0-d wide arrays (non-float leaves map to ``None``)."""
+    return jax.tree.map(lambda x: leaf_norm(x, ord) if is_float(x) else None, tree)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scaling rules. A multiplier is formed from the norm and multiplied in (one fused pass, and
+# XLA can fuse it into the next transform; no select between two versions of every leaf).
+
+def clip_multiplier(norm: jax.Array, max_norm: jax.Array) -> jax.Array:
+    """``min(1, max_norm / norm)``, exactly 1 whenever ``norm <= max_norm`` (also for 0 or NaN)."""
+    return jnp.where(norm > max_norm, max_norm / norm, jnp.ones_like(norm))
+
+
+def normalize_multiplier(norm: jax.Array, target: jax.Array, eps=None) -> jax.Array:
+    """``target / norm``; ``target / (norm + eps)`` in the eps mode.
+
+    Without ``eps`` a slice whose metric is ``<= 1e-12`` (or NaN) is left unchanged, in the
+    per-slice and the global path alike (torchzero 0.4.4 differs between them and returns NaN
+    globally for a zero update: spec/torchzero.md §4 D5, D8, D17).
+    """
+    if eps is not None:
+        return target / (norm + eps)
+    return jnp.where(norm > TINY_NORM, target / jnp.where(norm > TINY_NORM, norm, 1), 1)
+
+
+def scale(x: jax.Array, factor: jax.Array) -> jax.Array:
+    """``x * factor`` computed in the wide dtype and cast back to ``x``'s dtype."""
+    if not is_float(x):
+        return x
+    return (_wide(x) * factor.astype(acc_dtype(x.dtype))).astype(x.dtype)
+
+
+def scale_slices(
+    tree: Any,
+    ord: float | str,
+    multiplier: Callable[[jax.Array], jax.Array],
+    *,
+    dim: axes_lib.Dim = None,
+    inverse_dims: bool = False,
+    min_size: int = 1,
+    param_ndim=axes_lib._UNSET,
+) -> tuple[Any, Any]:
+    """Scale every slice by ``multiplier(norm)``; returns ``(scaled tree, norms tree)``.
+
+    Norms come back in the wide dtype with the reduced axes squeezed out. Leaves that the axes
+    rule leaves alone (no axes, or slices smaller than ``min_size``) are returned unchanged with
+    a 0-d zero norm; non-float leaves pass through with a ``None`` norm.
+    """
+    def one_leaf(x):
+        if not is_float(x):
+            return x, None
+        axes = axes_lib.reduction_axes(x.ndim, dim, inverse_dims, param_ndim=param_ndim)
+        if axes is None or axes_lib.slice_size(x.shape, axes) < min_size:
+            return x, jnp.zeros((), acc_dtype(x.dtype))
+        norm = slice_norm(x, ord, axes)
+        return scale(x, multiplier(norm)), jnp.squeeze(norm, axis=axes)
+
+    return tree_unzip(one_leaf, tree, 2)
+
+
+def tree_unzip(fn: Callable[[Any], tuple], tree: Any, n: int) -> tuple[Any, ...]:
+    """Map ``fn`` (leaf -> n-tuple) over ``tree`` and return ``n`` trees of the same structure."""
+    leaves, treedef = jax.tree.flatten(tree)
+    results = [fn(x) for x in leaves]
+    return tuple(treedef.unflatten([r[i] for r in results]) for i in range(n))

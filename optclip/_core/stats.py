@@ -1,0 +1,89 @@
+"""The diagnostics convention and :func:`optclip.stats`.
+
+Every optclip state class that carries something worth logging is registered with
+:func:`diagnostic`, naming the transform and the fields to report. :func:`stats` walks any optax
+state (``optax.chain`` tuples, ``inject_hyperparams``, ``masked``, ``MultiSteps``,
+``apply_if_finite``, flax ``nnx.Optimizer`` state) and returns flat scalar entries computed from
+what the states already hold, so logging costs no extra pass over the gradients.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+_REGISTRY: dict[type, tuple[str, tuple[str, ...]]] = {}
+
+
+def diagnostic(name: str, fields: tuple[str, ...]):
+    """Class decorator: register a state ``NamedTuple`` whose ``fields`` ``stats`` reports."""
+    def register(cls):
+        missing = set(fields) - set(cls._fields)
+        if missing:
+            raise TypeError(f"{cls.__name__} has no fields {sorted(missing)}")
+        _REGISTRY[cls] = (name, tuple(fields))
+        return cls
+    return register
+
+
+def _summarise(key: str, value: Any) -> dict[str, jax.Array]:
+    leaves = [jnp.asarray(x) for x in jax.tree.leaves(value)]
+    leaves = [x for x in leaves if x.size > 0]
+    if not leaves:
+        return {}
+    if len(leaves) == 1 and leaves[0].size == 1:
+        return {key: leaves[0].reshape(())}
+    if all(x.dtype == jnp.bool_ for x in leaves):
+        hits = sum(jnp.sum(x, dtype=jnp.int32) for x in leaves)
+        total = sum(x.size for x in leaves)
+        return {f"{key}_frac": hits.astype(jnp.float32) / total}
+    return {f"{key}_max": jnp.max(jnp.stack([jnp.max(x).astype(jnp.float32) for x in leaves])),
+            f"{key}_mean": sum(jnp.sum(x, dtype=jnp.float32) for x in leaves)
+            / sum(x.size for x in leaves)}
+
+
+def stats(opt_state: Any) -> dict[str, jax.Array]:
+    """Flat, loggable scalars from every optclip transform found in ``opt_state``.
+
+    Keys are ``"<transform>/<field>"``; a transform used twice gets ``"<transform>_1/..."``
+    for its second occurrence (in pytree order). Per-leaf or per-slice values are summarised
+    as ``<field>_max`` and ``<field>_mean`` (numbers) or ``<field>_frac`` (flags: the fraction
+    set); the full trees stay in the state. Pure and traceable: call it inside ``jax.jit``.
+
+    Example:
+        >>> import jax.numpy as jnp, optax, optclip
+        >>> tx = optax.chain(optclip.clip_by_global_norm(1.0), optax.adam(1e-3))
+        >>> params = {"w": jnp.ones(4)}
+        >>> state = tx.init(params)
+        >>> _, state = tx.update({"w": jnp.full(4, 2.0)}, state, params)
+        >>> s = optclip.stats(state)
+        >>> float(s["clip_by_global_norm/norm"]), bool(s["clip_by_global_norm/clipped"])
+        (4.0, True)
+    """
+    found = jax.tree.leaves(opt_state, is_leaf=lambda x: type(x) in _REGISTRY)
+    out: dict[str, jax.Array] = {}
+    seen: collections.Counter[str] = collections.Counter()
+    for state in found:
+        if type(state) not in _REGISTRY:
+            continue
+        name, fields = _REGISTRY[type(state)]
+        prefix = name if seen[name] == 0 else f"{name}_{seen[name]}"
+        seen[name] += 1
+        for field in fields:
+            out.update(_summarise(f"{prefix}/{field}", getattr(state, field)))
+    return out
+
+
+def keep_finite(new: Any, old: Any) -> Any:
+    """Per element: ``new`` where it is finite, else ``old`` (non-finite never enters state)."""
+    return jax.tree.map(lambda n, o: jnp.where(jnp.isfinite(n), n, o), new, old)
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """Scalar bool: every element of every floating leaf of ``tree`` is finite."""
+    checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+              if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)

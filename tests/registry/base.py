@@ -1,0 +1,44 @@
+"""What the conformance suite needs to know about a public transform."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+
+def default_tree(dtype=jnp.float32, seed: int = 0) -> dict[str, Any]:
+    """Small gradients: a (8, 4) matrix (sharded along axis 0 in the sharding check), a vector."""
+    rng = np.random.default_rng(seed)
+    return {"w": jnp.asarray(rng.normal(size=(8, 4)) * 3, dtype),
+            "b": jnp.asarray(rng.normal(size=(4,)), dtype)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One public transform in the conformance suite.
+
+    name: the public name (``optclip.<name>``); used as the test id and for ``bad_args``.
+    make: builds the transform with representative arguments.
+    bad_args: ``(kwargs, parameter name)`` pairs that must raise ``ValueError``/``TypeError``
+      at construction, with the parameter name in the message.
+    needs_params: ``update`` needs ``params`` (projections, Frank-Wolfe).
+    has_stats: ``optclip.stats`` reports at least one entry for its state.
+    tree: makes the gradient tree (``dtype, seed -> tree``).
+    rtol: tolerance for jit == eager and sharded == unsharded.
+    """
+
+    name: str
+    make: Callable[[], optax.GradientTransformation]
+    bad_args: tuple[tuple[dict, str], ...] = ()
+    needs_params: bool = False
+    has_stats: bool = True
+    tree: Callable[..., Any] = default_tree
+    rtol: float = 1e-5
+
+    def __str__(self) -> str:
+        return self.name
