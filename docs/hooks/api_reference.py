@@ -8,6 +8,11 @@ editing the page, and a name that cannot be imported fails the (strict) build.
 from __future__ import annotations
 
 import importlib
+import pathlib
+import sys
+
+# Document the checkout being built, installed or not.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 MARKER = "<!-- optclip-api -->"
 
