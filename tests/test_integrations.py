@@ -120,17 +120,18 @@ def test_nnx_optimizer(name):
     graphdef, params = nnx.split(nnx.clone(model), nnx.Param)
     params = jax.tree.map(jnp.array, params)
     tx = optax.chain(make(name), optax.adam(1e-2))
-    state = tx.init(params)
+    state = jax.jit(tx.init)(params)
 
-    def ref_loss(p, x, y):
-        return jnp.mean((nnx.merge(graphdef, p)(x) - y) ** 2)
+    @jax.jit
+    def reference_step(params, state, x, y):
+        grads = jax.grad(lambda p: jnp.mean((nnx.merge(graphdef, p)(x) - y) ** 2))(params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
 
     for t in range(6):
         x, y = batch(t)
         loss, step_stats = train_step(model, optimizer, x, y)
-        grads = jax.grad(ref_loss)(params, x, y)
-        updates, state = tx.update(grads, state, params)
-        params = optax.apply_updates(params, updates)
+        params, state = reference_step(params, state, x, y)
         assert np.isfinite(float(loss))
     chex.assert_trees_all_close(nnx.state(model, nnx.Param), params, rtol=1e-5, atol=1e-6)
     # optclip.stats reads the nnx optimizer's state exactly as the raw optax state.
