@@ -2,11 +2,12 @@
 
 ``python -m optclip.demo`` (or ``make demo``) trains a small Flax NNX transformer on the source
 code of the Python standard library that ships with the running interpreter (nothing is
-downloaded), at a learning rate high enough to provoke loss spikes, once per strategy. Every run
-sees the same initial weights and the same batches. It shows a progress bar, prints a results
-table and writes, in the output folder:
+downloaded), at a learning rate high enough to provoke loss spikes, once per strategy. A few
+batches are corrupted on purpose (each window one repeated character, as from a broken data
+shard; ``--bad-batches``). Every run sees the same initial weights and the same batches. It shows
+a progress bar, prints a results table and writes, in the output folder:
 
-* ``curves.png``: loss and pre-clip gradient norm per strategy;
+* ``curves.png``: loss, raw gradient norm and the scale the strategy applied, per strategy;
 * ``results.md`` / ``results.json``: the table;
 * ``stats.jsonl``: one line per strategy and step with ``optclip.stats(opt_state)``.
 
@@ -38,6 +39,7 @@ from flax import nnx
 import optclip
 
 VOCAB = 128  # ASCII; other bytes are mapped to 0
+_tree_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,7 +84,7 @@ DEFAULT_STRATEGIES = ("none", "clip_by_global_norm", "zclip", "hist_clip", "clip
 class Config:
     """What a run trains; every strategy uses the same configuration."""
 
-    steps: int = 400
+    steps: int = 300
     seed: int = 0
     learning_rate: float = 0.03
     batch_size: int = 16
@@ -91,6 +93,9 @@ class Config:
     depth: int = 2
     heads: int = 4
     text_bytes: int = 1_000_000
+    # Steps (0-based) whose batch is corrupted: every window one character repeated, as from a
+    # broken data shard. The same for every strategy; steps beyond ``steps`` are ignored.
+    bad_batches: tuple[int, ...] = (100, 170, 240)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,11 +132,29 @@ def load_text(max_bytes: int = 1_000_000) -> np.ndarray:
 
 
 def batches(codes: np.ndarray, config: Config) -> np.ndarray:
-    """All training windows, ``(steps, batch, seq_len + 1)``, drawn with ``config.seed``."""
+    """All training windows, ``(steps, batch, seq_len + 1)``, drawn with ``config.seed``.
+
+    The batches at ``config.bad_batches`` are corrupted: each window is one printable
+    character repeated.
+
+    Example:
+      >>> data = batches(np.arange(1000, dtype=np.uint8) % 100, Config(steps=3, bad_batches=(1,)))
+      >>> def repeated(batch): return bool((batch == batch[:, :1]).all())
+      >>> data.shape, repeated(data[1]), repeated(data[0])
+      ((3, 16, 65), True, False)
+    """
     rng = np.random.default_rng(config.seed)
     starts = rng.integers(0, len(codes) - config.seq_len - 1,
                           size=(config.steps, config.batch_size))
-    return codes[starts[..., None] + np.arange(config.seq_len + 1)]
+    data = codes[starts[..., None] + np.arange(config.seq_len + 1)]
+    for t in bad_steps(config):
+        data[t] = rng.integers(32, 127, size=(config.batch_size, 1))
+    return data
+
+
+def bad_steps(config: Config) -> list[int]:
+    """The corrupted steps that fall inside the run."""
+    return sorted(t for t in set(config.bad_batches) if 0 <= t < config.steps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,6 +225,7 @@ class History:
     clipped: np.ndarray         # bool: the strategy reported that it clipped this step
     step_time: np.ndarray       # seconds per step (the first, compiling, step excluded)
     stats: list[dict[str, float]]
+    bad: tuple[int, ...] = ()   # steps whose batch was corrupted
 
 
 def clipped_flag(step_stats: dict[str, Any]) -> Any:
@@ -263,7 +287,7 @@ def train(name: str, strategy: optax.GradientTransformation, data: np.ndarray,
         params = optax.apply_updates(params, updates)
         step_stats = optclip.stats(opt_state)
         return params, opt_state, {
-            "grad_norm": optax.global_norm(grads), "update_norm": optax.global_norm(clipped),
+            "grad_norm": _tree_norm(grads), "update_norm": _tree_norm(clipped),
             "clipped": clipped_flag(step_stats), "stats": step_stats}
 
     def step(params, opt_state, window):
@@ -291,6 +315,7 @@ def train(name: str, strategy: optax.GradientTransformation, data: np.ndarray,
         clipped=np.array([r["clipped"] for r in records], bool),
         step_time=np.array(times[1:] or times, np.float64),
         stats=[{k: float(v) for k, v in r["stats"].items()} for r in records],
+        bad=tuple(bad_steps(config)),
     )
 
 
@@ -300,13 +325,19 @@ def train(name: str, strategy: optax.GradientTransformation, data: np.ndarray,
 SPIKE_WINDOW = 20
 
 
+AFTER_BAD = 5  # steps averaged after a corrupted batch
+
+
 def summarize(history: History) -> dict[str, float]:
-    """The table row of one run.
+    """The table row of one run. Losses on corrupted batches are left out of the loss columns.
 
     * ``final_loss``: mean loss of the last ``SPIKE_WINDOW`` steps;
     * ``best_loss``: lowest ``SPIKE_WINDOW``-step running mean;
     * ``worst_spike``: largest ``loss[t] - median(loss[t-SPIKE_WINDOW:t])`` (nats), i.e. how far
-      one step's loss jumped above where training just was (non-finite losses count as inf);
+      one step's loss jumped above where training just was (a non-finite loss counts as inf);
+    * ``after_bad``: mean over the corrupted batches of how much the loss of the next
+      ``AFTER_BAD`` steps rose above the median of the ``SPIKE_WINDOW`` steps before it
+      (the damage one bad batch did; NaN without corrupted batches);
     * ``clipped_frac``: fraction of steps on which the strategy reported clipping;
     * ``median_step_ms``: median wall time of a step, compilation excluded.
 
@@ -316,27 +347,39 @@ def summarize(history: History) -> dict[str, float]:
       >>> row = summarize(h)
       >>> row["worst_spike"], row["final_loss"], row["clipped_frac"], row["median_step_ms"]
       (3.0, 2.15, 0.0, 10.0)
+      >>> summarize(History("x", loss, loss, loss, np.zeros(40, bool), np.ones(39), [], bad=(29,)))[
+      ...     "after_bad"]
+      0.6
     """
     loss = np.where(np.isfinite(history.loss), history.loss, np.inf)
+    clean = loss.copy()
+    clean[list(history.bad)] = np.nan
     w = min(SPIKE_WINDOW, max(len(loss) // 2, 1))
-    running = np.convolve(np.where(np.isfinite(loss), loss, 1e30), np.ones(w) / w, "valid")
-    spikes = [loss[t] - np.median(loss[t - w:t]) for t in range(w, len(loss))]
+    windows = np.lib.stride_tricks.sliding_window_view(clean, w)
+    running = [np.nanmean(x) for x in windows if not np.isnan(x).all()]
+    spikes = [clean[t] - np.nanmedian(clean[t - w:t]) for t in range(w, len(loss))
+              if not np.isnan(clean[t]) and not np.isnan(clean[t - w:t]).all()]
+    damage = [np.nanmean(clean[t + 1:t + 1 + AFTER_BAD]) - np.nanmedian(clean[max(t - w, 0):t])
+              for t in history.bad if 0 < t < len(loss) - 1]
     return {
-        "final_loss": float(np.mean(loss[-w:])),
-        "best_loss": float(np.min(running)) if running.min() < 1e29 else float("inf"),
+        "final_loss": float(np.nanmean(clean[-w:])),
+        "best_loss": float(np.min(running)) if running else float("nan"),
         "worst_spike": float(np.max(spikes)) if spikes else 0.0,
+        "after_bad": float(np.mean(damage)) if damage else float("nan"),
         "clipped_frac": float(np.mean(history.clipped)),
         "median_step_ms": float(np.median(history.step_time) * 1e3),
     }
 
 
 COLUMNS = (("strategy", "{}"), ("final loss", "{:.3f}"), ("best loss", "{:.3f}"),
-           ("worst spike", "{:.3f}"), ("clipped", "{:.0%}"), ("median step ms", "{:.1f}"))
+           ("worst spike", "{:.3f}"), ("after bad batch", "{:+.3f}"), ("clipped", "{:.0%}"),
+           ("median step ms", "{:.1f}"))
 
 
 def results_table(rows: dict[str, dict[str, float]]) -> str:
     """A Markdown table, one line per strategy."""
-    keys = ("final_loss", "best_loss", "worst_spike", "clipped_frac", "median_step_ms")
+    keys = ("final_loss", "best_loss", "worst_spike", "after_bad", "clipped_frac",
+            "median_step_ms")
     lines = ["| " + " | ".join(c for c, _ in COLUMNS) + " |",
              "|" + "|".join("---" for _ in COLUMNS) + "|"]
     for name, row in rows.items():
@@ -346,18 +389,24 @@ def results_table(rows: dict[str, dict[str, float]]) -> str:
 
 
 def smooth(x: np.ndarray, width: int = 10) -> np.ndarray:
-    """Trailing moving average (same length as ``x``)."""
+    """Trailing moving average (same length as ``x``); NaN entries are skipped.
+
+    Example:
+      >>> smooth(np.array([1.0, 3.0, np.nan, 5.0]), width=2).tolist()
+      [1.0, 2.0, 3.0, 5.0]
+    """
     x = np.asarray(x, np.float64)
-    cumulative = np.cumsum(np.r_[0.0, np.where(np.isfinite(x), x, np.nan)])
-    out = np.empty_like(x)
-    for t in range(len(x)):
-        lo = max(0, t + 1 - width)
-        out[t] = (cumulative[t + 1] - cumulative[lo]) / (t + 1 - lo)
-    return out
+    valid = np.isfinite(x)
+    sums = np.cumsum(np.r_[0.0, np.where(valid, x, 0.0)])
+    counts = np.cumsum(np.r_[0, valid])
+    hi = np.arange(1, len(x) + 1)
+    lo = np.maximum(hi - width, 0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (sums[hi] - sums[lo]) / (counts[hi] - counts[lo])
 
 
 def plot(histories: Sequence[History], path: str | None = None):
-    """Loss, raw gradient norm and the norm the strategy hands to Adam, per strategy.
+    """Loss, raw gradient norm and the scale each strategy applied (norm after / raw), per strategy.
 
     Returns the matplotlib figure; writes it to ``path`` when given.
     """
@@ -373,20 +422,30 @@ def plot(histories: Sequence[History], path: str | None = None):
     for i, h in enumerate(histories):
         c = colors[i % len(colors)]
         steps = np.arange(1, len(h.loss) + 1)
-        ax_loss.plot(steps, h.loss, color=c, alpha=0.25, lw=0.8)
-        ax_loss.plot(steps, smooth(h.loss), color=c, lw=1.6, label=h.name)
+        clean = h.loss.copy()
+        clean[list(h.bad)] = np.nan  # the loss on a corrupted batch says nothing about the model
+        ax_loss.plot(steps, clean, color=c, alpha=0.25, lw=0.8)
+        ax_loss.plot(steps, smooth(clean), color=c, lw=1.6, label=h.name)
         ax_raw.plot(steps, h.grad_norm, color=c, lw=0.9, alpha=0.8, label=h.name)
-        ax_after.plot(steps, h.update_norm, color=c, lw=0.9, alpha=0.8, label=h.name)
-    finite = np.concatenate([h.loss[np.isfinite(h.loss)] for h in histories] or [[1.0]])
-    ax_loss.set_ylim(max(0.0, np.percentile(finite, 1) - 0.2), np.percentile(finite, 99.5) + 0.3)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ax_after.plot(steps, h.update_norm / h.grad_norm, color=c, lw=0.9, alpha=0.8,
+                          label=h.name)
+    settled = [np.delete(h.loss, list(h.bad))[len(h.loss) // 10:] for h in histories]
+    finite = np.concatenate([x[np.isfinite(x)] for x in settled] or [[1.0]])
+    if finite.size:
+        ax_loss.set_ylim(np.percentile(finite, 0.5) - 0.1, np.percentile(finite, 99.5) + 0.15)
     ax_loss.set_ylabel("training loss (nats/char)\nfaint: per step, bold: 10-step mean")
     ax_loss.legend(ncol=3, fontsize=8)
-    for ax, what in ((ax_raw, "gradient norm\n(raw)"), (ax_after, "norm after the\nstrategy")):
+    for ax, what in ((ax_raw, "gradient norm\n(raw)"),
+                     (ax_after, "scale applied\n(norm after / raw)")):
         ax.set_yscale("log")
         ax.set_ylabel(what)
         ax.grid(alpha=0.3, which="both")
     ax_loss.grid(alpha=0.3)
-    ax_after.set_xlabel("step")
+    for t in sorted({t for h in histories for t in h.bad}):
+        for ax in (ax_loss, ax_raw, ax_after):
+            ax.axvline(t + 1, color="0.5", lw=0.8, ls=":")
+    ax_after.set_xlabel("step (dotted: corrupted batches)")
     fig.suptitle("Character-level transformer on the Python standard library, "
                  "Adam at a spiky learning rate")
     fig.tight_layout()
@@ -430,6 +489,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=defaults.seq_len)
     parser.add_argument("--width", type=int, default=defaults.width, help="model width")
     parser.add_argument("--depth", type=int, default=defaults.depth, help="transformer blocks")
+    parser.add_argument("--bad-batches", default=",".join(map(str, defaults.bad_batches)),
+                        help="comma-separated 0-based steps whose batch is corrupted ('' for none)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser.parse_args(argv)
 
@@ -438,7 +499,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
     args = parse_args(argv)
     config = Config(steps=args.steps, seed=args.seed, learning_rate=args.lr,
                     batch_size=args.batch_size, seq_len=args.seq_len, width=args.width,
-                    depth=args.depth)
+                    depth=args.depth,
+                    bad_batches=tuple(int(t) for t in args.bad_batches.split(",") if t.strip()))
     names = list(STRATEGIES) if args.strategies == "all" else [
         s.strip() for s in args.strategies.split(",") if s.strip()]
     strategies, skipped = available(names)
@@ -479,8 +541,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
     table = results_table(rows)
     print()
     print(table)
-    print(f"\nworst spike: largest jump of one step's loss above the median of the previous "
-          f"{SPIKE_WINDOW} steps; clipped: steps on which optclip.stats reported clipping.")
+    bad = ", ".join(str(t + 1) for t in bad_steps(config)) or "none"
+    print(f"\nLosses on the corrupted batches (steps {bad}) are left out. worst spike: largest "
+          f"jump of one step's loss above the median of the previous {SPIKE_WINDOW} steps; "
+          f"after bad batch: mean rise of the loss over the "
+          f"{AFTER_BAD} steps after a corrupted batch; clipped: steps on which optclip.stats "
+          f"reported clipping.")
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(table + "\n")
     with open(os.path.join(args.out, "results.json"), "w") as f:

@@ -24,18 +24,11 @@ import optclip
 FACTORIES = {
     "clip_by_global_norm": lambda: optclip.clip_by_global_norm(1.0),
     "clip_norm": lambda: optclip.clip_norm(0.5),
-    "clip_value": lambda: optclip.clip_value(0.2),
-    "normalize": lambda: optclip.normalize(1.0, dim=0),
     "clip_norm_by_ema": lambda: optclip.clip_norm_by_ema(beta=0.9),
-    "normalize_by_ema": lambda: optclip.normalize_by_ema(beta=0.9),
-    "clip_value_by_ema": lambda: optclip.clip_value_by_ema(beta=0.9),
     "clip_norm_growth": lambda: optclip.clip_norm_growth(),
-    "clip_value_growth": lambda: optclip.clip_value_growth(),
     "hist_clip": lambda: optclip.hist_clip(warmup_steps=3),
-    "param_hist_clip": lambda: optclip.param_hist_clip(warmup_steps=3),
     "zclip": lambda: optclip.zclip(warmup_steps=3),
     "quantile_clip": lambda: optclip.quantile_clip(0.5, history_length=4),
-    "standard_clip": lambda: optclip.standard_clip(2.0, history_length=4),
 }
 # One or two per stateful family; the conformance suite runs every public transform through
 # jit, chains and sharding, so these tests pick representatives to stay fast.
@@ -49,8 +42,12 @@ def transform_params(names):
                "runs once it is merged")) for name in names]
 
 
-ALL = transform_params(["clip_by_global_norm", "clip_norm", "clip_value", *STATEFUL])
+NNX = transform_params(["clip_by_global_norm", "clip_norm", "clip_norm_by_ema", "zclip"])
 WITH_STATE = transform_params(["clip_by_global_norm", *STATEFUL])
+
+
+def tree_norm(tree):
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
 
 
 def make(name):
@@ -95,7 +92,7 @@ def run(tx, steps, params=PARAMS, state=None, start=0):
 # ---------------------------------------------------------------------------------------------
 # flax.nnx.Optimizer
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", NNX)
 def test_nnx_optimizer(name):
     from flax import nnx
 
@@ -140,8 +137,7 @@ def test_nnx_optimizer(name):
     for key in expected:
         np.testing.assert_allclose(np.asarray(step_stats[key], np.float64),
                                    np.asarray(expected[key], np.float64), rtol=1e-5, atol=1e-6)
-    if name != "normalize":  # every clipping transform logs something
-        assert expected, f"optclip.stats found nothing for {name}"
+    assert expected, f"optclip.stats found nothing for {name}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,7 +148,7 @@ def test_nnx_optimizer(name):
 # structural ones (``ord``, ``min_size``) must be named in ``static_args``.
 THRESHOLDS = {
     "clip_by_global_norm": (lambda: optclip.clip_by_global_norm, "max_norm", ("ord",),
-                            lambda out: optax.global_norm(out)),
+                            tree_norm),
     "clip_norm": (lambda: optclip.clip_norm, "max_norm", ("ord", "min_size"),
                   lambda out: jnp.linalg.norm(out["w"])),
     "clip_value": (lambda: optclip.clip_value, "value", (),
@@ -187,7 +183,7 @@ def test_inject_hyperparams_changed_by_hand():
     state = tx.init(grads)
     state.hyperparams["max_norm"] = jnp.asarray(0.25)
     out, _ = jax.jit(tx.update)(grads, state)
-    np.testing.assert_allclose(float(optax.global_norm(out)), 0.25, rtol=1e-6)
+    np.testing.assert_allclose(float(tree_norm(out)), 0.25, rtol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------
