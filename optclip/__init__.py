@@ -24,6 +24,22 @@ from optclip.clipping import (
 # family: growth (issue 3)
 # family: history (issue 4)
 # family: lp_space (issue 5)
+from optclip.lp_space import (
+    clamp,
+    clamp_params,
+    frank_wolfe,
+    l1_frank_wolfe,
+    l1_normalize,
+    l1q_frank_wolfe,
+    l1q_normalize,
+    l2_frank_wolfe,
+    l2_normalize,
+    linf_frank_wolfe,
+    project_l2_ball,
+    project_linf_ball,
+    sign,
+    top_q,
+)
 
 __version__ = "0.1.0"
 
@@ -43,4 +59,18 @@ __all__ = [
     # growth.py
     # history.py
     # lp_space.py
+    "clamp",
+    "clamp_params",
+    "frank_wolfe",
+    "l1_frank_wolfe",
+    "l1_normalize",
+    "l1q_frank_wolfe",
+    "l1q_normalize",
+    "l2_frank_wolfe",
+    "l2_normalize",
+    "linf_frank_wolfe",
+    "project_l2_ball",
+    "project_linf_ball",
+    "sign",
+    "top_q",
 ]
