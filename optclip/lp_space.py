@@ -602,6 +602,7 @@ def l1q_normalize(q: float, dq: float = 0.0, param_ndim: int | None = -1, eps: f
       >>> optax.apply_updates(x, u).tolist()  # the new x
       [1.0, 0.10000002384185791, 0.10000002384185791]
     """
+    checks.non_negative("eps", eps)
     return _top_q_family("l1q_normalize", L1qState, q, dq, param_ndim, seed,
                          lambda g, axes, k: _l1q(g, axes, k, eps), grad_scale, grad_bias)
 
