@@ -225,28 +225,33 @@ def _normalized(g: jax.Array, ord: float, axes: tuple[int, ...], eps: Any
                 ) -> tuple[jax.Array, jax.Array]:
     """``g / max(||g||, eps)`` per slice, in the wide dtype; returns (output, norm).
 
-    The norm is the plain reduction (bit parity with the reference in the normal range). Where
-    it underflows (``Σg² < tiny`` for L2, ``Σ|g| < tiny`` for L1) or overflows to inf while the
-    slice is non-zero and finite, the slice is divided by its max-abs first and normalized from
-    there, so the output has unit norm: the reference returns 8.5e7 for [1e-30, 0] and [0, 0]
-    for [3e38, 3e38] (spec §6 D4). A zero slice stays zero in every dtype, also for ``eps=0``
-    (the reference gives NaN in float16: §6 D5).
+    The norm is the plain reduction (the reference's formula in the normal range). Where it
+    underflows (``Σg² < tiny`` for L2, ``Σ|g| < tiny`` for L1) or is so large that its
+    reciprocal would be subnormal (``>= 1/tiny``, inf included) while the slice is non-zero and
+    finite, the slice is first scaled by a power of two that brings its max-abs into [0.5, 1),
+    so the output has unit norm: the reference returns 8.5e7 for [1e-30, 0] and [0, 0] for
+    [3e38, 3e38] (spec §6 D4). A zero slice stays zero in every dtype, also for ``eps=0`` (the
+    reference gives NaN in float16: §6 D5). XLA turns the division by a per-slice value into a
+    multiplication by its reciprocal, so results can differ from the reference by an ulp (§4.3).
     """
     wide = g.astype(norms.acc_dtype(g.dtype))
     norm = norms.slice_norm(wide, ord, axes)
     eps = jnp.asarray(eps).astype(wide.dtype)
-    # float16 is accumulated in float32, where its squares can neither underflow nor overflow.
+    # float16 is accumulated in float32, where its norms can neither underflow nor overflow.
     if g.dtype == jnp.float16:
         denom = jnp.maximum(norm, eps)
         return wide / jnp.where(denom == 0, 1, denom), norm
     tiny = float(jnp.finfo(wide.dtype).tiny)
-    limit = tiny if ord == 1.0 else math.sqrt(tiny)
+    low = tiny if ord == 1.0 else math.sqrt(tiny)
     biggest = jnp.max(jnp.abs(wide), axis=axes, keepdims=True, initial=0)
-    rescale = ((norm < limit) | jnp.isinf(norm)) & (biggest > 0) & jnp.isfinite(biggest)
-    unit = wide / jnp.where(rescale, biggest, 1)
+    rescale = ((norm < low) | (norm >= 1 / tiny)) & (biggest > 0) & jnp.isfinite(biggest)
+    # Scale by 2**-e (exact) in two halves, so that neither factor is subnormal or infinite.
+    shift = jnp.where(rescale, -jnp.frexp(biggest)[1], 0)
+    half = jnp.ldexp(jnp.ones((), wide.dtype), shift // 2)
+    unit = wide * half * half * jnp.ldexp(jnp.ones((), wide.dtype), shift % 2)
     denom = jnp.where(rescale, norms.slice_norm(unit, ord, axes), jnp.maximum(norm, eps))
     out = unit / jnp.where(denom == 0, 1, denom)
-    return out, jnp.where(rescale, biggest * denom, norm)
+    return out, jnp.where(rescale, jnp.ldexp(denom, -shift), norm)
 
 
 def _flat_slices(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
@@ -414,7 +419,7 @@ def _lp_normalize(ord: float, state_cls: type, name: str, param_ndim: int | None
         del params
         new_updates, measured = apply(updates)
         finite = stats_lib.all_finite(updates)
-        return new_updates, state_cls(stats_lib.keep_finite(measured, state.norm),
+        return new_updates, state_cls(_keep_if(finite, measured, state.norm),
                                       _count_nonfinite(state.nonfinite, finite))
 
     return optax.GradientTransformation(init_fn, update_fn)
