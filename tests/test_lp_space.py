@@ -520,8 +520,8 @@ def oracle_frank_wolfe(lmo, x, grads, eps, lr=2.0):
     return out
 
 
-SHAPES_AND_PARAM_NDIMS = [((5,), p) for p in (None, 0, 1, -1)] + [
-    ((3, 4), p) for p in (None, 0, 1, 2, -1, -2)] + [((2, 3, 4), p) for p in (None, 0, 2, -1)]
+SHAPES_AND_PARAM_NDIMS = [((5,), None), ((5,), -1), ((3, 4), 0), ((3, 4), 1), ((3, 4), -2),
+                          ((2, 3, 4), None), ((2, 3, 4), 2), ((2, 3, 4), -1)]
 
 
 def rng_array(shape, seed, dtype=np.float64):
@@ -577,9 +577,9 @@ def test_float64_matches_oracle_under_x64():
         out, state = tx.update(jnp.asarray(g), tx.init(jnp.asarray(g)))
         assert out.dtype == jnp.float64 and state.norm.dtype == jnp.float64
         np.testing.assert_allclose(out, oracle_normalize(g, 2, -1), rtol=1e-14)
-        got = steps(optclip.l2_frank_wolfe(0.7, param_ndim=None), X0, [G2, G2B], jnp.float64)
-        want = oracle_frank_wolfe(lambda g: oracle_normalize(g, 2, None), X0, [G2, G2B], 0.7)
-        np.testing.assert_allclose(got[-1], want[-1], rtol=1e-14)
+        got = steps(optclip.linf_frank_wolfe(0.7), X0, [G2, G2B], jnp.float64)
+        want = oracle_frank_wolfe(np.sign, X0, [G2, G2B], 0.7)
+        np.testing.assert_allclose(got[-1], want[-1], rtol=1e-15)
         # V1 in float64: exactly 0.9.
         tx = optclip.l1q_normalize(0.3, param_ndim=None, grad_scale=1.8)
         g = jnp.asarray([0.0, 1.0, 2.0])
@@ -595,9 +595,9 @@ nonzero = finite.filter(lambda v: abs(v) > 1e-3)
 
 @st.composite
 def slices(draw, elements=finite):
-    shape = draw(st.sampled_from([(4,), (3, 5), (2, 2, 3)]))
+    shape = draw(st.sampled_from([(3, 5), (2, 2, 3)]))
     values = draw(st.lists(elements, min_size=math.prod(shape), max_size=math.prod(shape)))
-    param_ndim = draw(st.sampled_from([None, 0, -1, len(shape)]))
+    param_ndim = draw(st.sampled_from([None, 0, -1, 1]))
     return np.asarray(values, np.float32).reshape(shape), param_ndim
 
 
@@ -705,9 +705,10 @@ def test_random_q_edges_clip_to_unit_interval_and_seed_matters():
     q_values = []
     for seed in (0, 1):
         tx = optclip.l1q_normalize(0.9, dq=0.5, param_ndim=None, seed=seed)
+        update = jax.jit(tx.update)
         state = tx.init(tree)
         for _ in range(30):
-            out, state = tx.update(tree, state)
+            out, state = update(tree, state)
             assert 0.4 <= float(state.q) <= 1.0
         q_values.append(float(state.q))
     assert q_values[0] != q_values[1]
@@ -723,14 +724,12 @@ def test_dq_zero_consumes_no_randomness():
 # ---------------------------------------------------------------------------------------------
 # jit, chains, NaN, checkpointing, validation.
 
+# The stateful ones (and a projection); the conformance suite runs every public name.
 MAKERS = {
-    "l2_normalize": (lambda: optclip.l2_normalize(1), False),
-    "top_q-dq": (lambda: optclip.top_q(0.5, dq=0.3, seed=1), False),
-    "l1q_normalize-dq": (lambda: optclip.l1q_normalize(0.4, dq=0.2), False),
-    "clamp": (lambda: optclip.clamp(-0.5, 0.5, grad_scale=2.0), False),
-    "project_l2_ball": (lambda: optclip.project_l2_ball(1.0), True),
-    "l2_frank_wolfe": (lambda: optclip.l2_frank_wolfe(1.0), True),
-    "l1q_frank_wolfe-dq": (lambda: optclip.l1q_frank_wolfe(0.5, 1.0, dq=0.3), True),
+    "l2_normalize": lambda: optclip.l2_normalize(1),
+    "top_q-dq": lambda: optclip.top_q(0.5, dq=0.3, seed=1),
+    "project_l2_ball": lambda: optclip.project_l2_ball(1.0),
+    "l1q_frank_wolfe-dq": lambda: optclip.l1q_frank_wolfe(0.5, 1.0, dq=0.3),
 }
 
 
@@ -743,10 +742,9 @@ def tree_grads(seed):
 PARAMS = {"w": jnp.ones((4, 6)), "b": jnp.zeros(6), "n": jnp.arange(3), "none": None}
 
 
-@pytest.mark.parametrize("name", MAKERS, ids=str)
+@pytest.mark.parametrize("name", ["top_q-dq", "l1q_frank_wolfe-dq"])
 def test_jit_matches_eager_and_integer_leaves_pass(name):
-    make, _ = MAKERS[name]
-    tx = make()
+    tx = MAKERS[name]()
     jitted = jax.jit(tx.update)
     s_eager = s_jit = tx.init(PARAMS)
     for seed in range(3):
@@ -782,8 +780,7 @@ def test_chain_with_adam_in_jitted_step_and_stats():
 
 @pytest.mark.parametrize("name", MAKERS, ids=str)
 def test_nonfinite_step_leaves_state_unchanged_and_later_outputs_identical(name):
-    make, _ = MAKERS[name]
-    tx = make()
+    tx = MAKERS[name]()
     update = jax.jit(tx.update)
     grads = [tree_grads(s) for s in range(4)]
     bad = dict(grads[1], w=grads[1]["w"].at[0, 0].set(jnp.nan))
@@ -807,10 +804,9 @@ def test_nonfinite_step_leaves_state_unchanged_and_later_outputs_identical(name)
     assert int(nan_state.nonfinite) == 1 and int(clean_state.nonfinite) == 0
 
 
-@pytest.mark.parametrize("name", MAKERS, ids=str)
+@pytest.mark.parametrize("name", ["top_q-dq", "l1q_frank_wolfe-dq"])
 def test_checkpoint_round_trip_continues_identically(name):
-    make, _ = MAKERS[name]
-    tx = make()
+    tx = MAKERS[name]()
     update = jax.jit(tx.update)
     state = tx.init(PARAMS)
     for seed in range(2):
