@@ -59,17 +59,17 @@ class LpNormalizeState(NamedTuple):
     nonfinite: jax.Array  # int32 steps whose gradients were not finite
 
 
-@stats_lib.diagnostic("l1_normalize", ("norm", "nonfinite"))
+@stats_lib.diagnostic("l1_normalize", ("norm", "nonfinite"), per_leaf=("norm",))
 class L1NormalizeState(LpNormalizeState):
     pass
 
 
-@stats_lib.diagnostic("l2_normalize", ("norm", "nonfinite"))
+@stats_lib.diagnostic("l2_normalize", ("norm", "nonfinite"), per_leaf=("norm",))
 class L2NormalizeState(LpNormalizeState):
     pass
 
 
-@stats_lib.diagnostic("top_q", ("q", "k", "nonfinite"))
+@stats_lib.diagnostic("top_q", ("q", "k", "nonfinite"), per_leaf=("q", "k"))
 class TopQState(NamedTuple):
     key: jax.Array        # uint32[2] PRNG key for the random q (used when dq > 0)
     q: Any                # per leaf: the drop fraction in force at the last step
@@ -77,7 +77,7 @@ class TopQState(NamedTuple):
     nonfinite: jax.Array
 
 
-@stats_lib.diagnostic("l1q_normalize", ("q", "k", "nonfinite"))
+@stats_lib.diagnostic("l1q_normalize", ("q", "k", "nonfinite"), per_leaf=("q", "k"))
 class L1qState(NamedTuple):
     key: jax.Array
     q: Any
@@ -85,26 +85,27 @@ class L1qState(NamedTuple):
     nonfinite: jax.Array
 
 
-@stats_lib.diagnostic("clamp", ("clipped", "nonfinite"))
+@stats_lib.diagnostic("clamp", ("clipped", "nonfinite"), per_leaf=("clipped",))
 class ClampState(NamedTuple):
     clipped: Any          # per leaf: whether any element was clamped
     nonfinite: jax.Array
 
 
-@stats_lib.diagnostic("project_l2_ball", ("norm", "projected", "nonfinite"))
+@stats_lib.diagnostic("project_l2_ball", ("norm", "projected", "nonfinite"),
+                       per_leaf=("norm", "projected"))
 class ProjectL2BallState(NamedTuple):
     norm: Any             # per leaf: the norm of every slice of params + u before projecting
     projected: Any        # per leaf: per slice, whether it was scaled into the ball
     nonfinite: jax.Array
 
 
-@stats_lib.diagnostic("project_linf_ball", ("projected", "nonfinite"))
+@stats_lib.diagnostic("project_linf_ball", ("projected", "nonfinite"), per_leaf=("projected",))
 class ProjectLinfBallState(NamedTuple):
     projected: Any        # per leaf: whether any element of params + u was moved
     nonfinite: jax.Array
 
 
-@stats_lib.diagnostic("clamp_params", ("projected", "nonfinite"))
+@stats_lib.diagnostic("clamp_params", ("projected", "nonfinite"), per_leaf=("projected",))
 class ClampParamsState(NamedTuple):
     projected: Any
     nonfinite: jax.Array
@@ -117,7 +118,8 @@ class FrankWolfeState(NamedTuple):
     nonfinite: jax.Array
 
 
-@stats_lib.diagnostic("l1q_frank_wolfe", ("count", "alpha", "q", "k", "nonfinite"))
+@stats_lib.diagnostic("l1q_frank_wolfe", ("count", "alpha", "q", "k", "nonfinite"),
+                       per_leaf=("q", "k"))
 class L1qFrankWolfeState(NamedTuple):
     count: jax.Array
     alpha: jax.Array

@@ -774,7 +774,7 @@ def test_chain_with_adam_in_jitted_step_and_stats():
     row_norms = np.linalg.norm(np.asarray(params["w"]), axis=1)
     assert np.all(row_norms <= 2.0 + 1e-5) and np.all(row_norms > 1.9)
     logged = optclip.stats(state)
-    assert {"l1q_normalize/q", "l1q_normalize/k", "project_l2_ball/norm_max",
+    assert {"l1q_normalize/q_mean", "l1q_normalize/k_max", "project_l2_ball/norm_max",
             "project_l2_ball/projected_frac"} <= set(logged)
 
 
@@ -888,3 +888,21 @@ def test_low_precision_outputs_keep_dtype_and_match_float32(dtype):
         assert low.dtype == dtype
         np.testing.assert_allclose(np.asarray(low, np.float32), np.asarray(high), rtol=1e-2,
                                    atol=1e-3)
+
+
+def test_inject_hyperparams_traced_q_and_scale():
+    """With traced ``q`` the count is formed on device (float32 in the default config)."""
+    tx = optax.inject_hyperparams(optclip.l1q_normalize, static_args=("param_ndim", "seed"))(
+        q=0.3, param_ndim=None, grad_scale=1.8)
+    g = arr([0, 1, 2])
+    state = tx.init(g)
+    out, state = jax.jit(tx.update)(g, state)
+    np.testing.assert_allclose(out, [0, 0.9, 0.9], rtol=1e-7)
+    state.hyperparams["q"] = jnp.asarray(0.7)
+    out, _ = jax.jit(tx.update)(g, state)
+    np.testing.assert_allclose(out, [0, 0, 1.8], rtol=1e-7)
+    fw = optax.inject_hyperparams(optclip.l2_frank_wolfe, static_args=(
+        "use_default_lr_schedule", "param_ndim"))(epsilon=1.8, param_ndim=None)
+    x = arr([1, 1])
+    u, _ = fw.update(arr([1, 2]), fw.init(x), x)
+    np.testing.assert_allclose(optax.apply_updates(x, u), [-0.80498445, -1.6099689], rtol=1e-6)
