@@ -256,23 +256,50 @@ def _normalized(g: jax.Array, ord: float, axes: tuple[int, ...], eps: Any
     return out, jnp.where(rescale, jnp.ldexp(denom, -shift), norm)
 
 
-def _flat_slices(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
-    """View ``x`` as ``(B, D)``: one row per slice (the reduced axes are the trailing ones)."""
-    size = axes_lib.slice_size(x.shape, axes)
-    batch = math.prod(x.shape[: x.ndim - len(axes)])
-    return x.reshape(batch, size)
+def _explicit_sharding(x: jax.Array):
+    """``x``'s sharding when it is sharded under an explicit mesh (``jax.make_mesh``'s default),
+    else ``None`` (unsharded, or automatic sharding that XLA propagates by itself)."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    return sharding if spec is not None and any(s is not None for s in spec) else None
+
+
+def _slice_rows(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+    """View ``x`` as ``(*batch, D)``: the reduced (trailing) axes merged into one.
+
+    Ranking needs whole slices: where a slice is sharded over devices under an explicit mesh,
+    its axes are replicated first (the batch axes keep their sharding).
+    """
+    n_batch = x.ndim - len(axes)
+    if len(axes) == 1:
+        return x
+    if not axes:
+        return x[..., None]
+    sharding = _explicit_sharding(x)
+    if sharding is not None:
+        spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+        x = jax.sharding.reshard(x, jax.sharding.NamedSharding(
+            sharding.mesh, jax.sharding.PartitionSpec(*spec[:n_batch], *[None] * len(axes))))
+    return x.reshape(*x.shape[:n_batch], axes_lib.slice_size(x.shape, axes))
+
+
+def _slice_mask(mask: jax.Array, like: jax.Array) -> jax.Array:
+    """A ``(*batch, D)`` mask back in ``like``'s shape (and explicit sharding)."""
+    mask = mask.reshape(like.shape)
+    sharding = _explicit_sharding(like)
+    return mask if sharding is None else jax.sharding.reshard(mask, sharding)
 
 
 def _ranks(g: jax.Array, axes: tuple[int, ...]) -> jax.Array:
-    """Rank of every entry by descending ``|g|`` within its slice, shape ``(B, D)``.
+    """Rank of every entry by descending ``|g|`` within its slice, shape ``(*batch, D)``.
 
     Stable: ties go to the lowest index first (torch.topk breaks them arbitrarily: spec §6 D6);
     NaN ranks as the largest (it is kept, as in the reference: §2.5).
     """
-    magnitude = jnp.abs(_flat_slices(g, axes))
+    magnitude = jnp.abs(_slice_rows(g, axes))
     magnitude = jnp.where(jnp.isnan(magnitude), jnp.inf, magnitude)
-    order = jnp.argsort(-magnitude, axis=1, stable=True)
-    return jnp.argsort(order, axis=1, stable=True)
+    order = jnp.argsort(-magnitude, axis=-1, stable=True)
+    return jnp.argsort(order, axis=-1, stable=True)
 
 
 def _static_k(q: float, size: int) -> int:
@@ -288,7 +315,7 @@ def _top_q_kept(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array) -> jax.
             return jnp.zeros_like(g)
         if k >= size:
             return g
-    keep = (_ranks(g, axes) < k).reshape(g.shape)
+    keep = _slice_mask(_ranks(g, axes) < k, g)
     return jnp.where(keep, g, jnp.zeros_like(g))
 
 
@@ -304,12 +331,12 @@ def _l1_lmo(g: jax.Array, axes: tuple[int, ...]) -> jax.Array:
     rai_toolbox 0.2.1 takes the argmax along the first reduced axis only, which is wrong for
     slices of two or more axes (spec §6 D2).
     """
-    flat = _flat_slices(g, axes)
-    if flat.shape[1] == 0:
+    rows = _slice_rows(g, axes)
+    if rows.shape[-1] == 0:
         return g
-    first = jnp.argmax(jnp.abs(flat), axis=1, keepdims=True)
-    onehot = jnp.arange(flat.shape[1])[None, :] == first
-    return jnp.where(onehot, _sign(flat), jnp.zeros_like(flat)).reshape(g.shape)
+    first = jnp.argmax(jnp.abs(rows), axis=-1, keepdims=True)
+    onehot = _slice_mask(jnp.arange(rows.shape[-1]) == first, g)
+    return jnp.where(onehot, _sign(g), jnp.zeros_like(g))
 
 
 # ---------------------------------------------------------------------------------------------
