@@ -38,8 +38,9 @@ from optclip._core import checks, norms
 from optclip._core import stats as stats_lib
 
 __all__ = [
-    "ClampParamsState", "ClampState", "FrankWolfeState", "L1qFrankWolfeState", "L1qState",
-    "LpNormalizeState", "ProjectL2BallState", "ProjectLinfBallState", "TopQState",
+    "ClampParamsState", "ClampState", "FrankWolfeState", "L1NormalizeState",
+    "L1qFrankWolfeState", "L1qState", "L2NormalizeState", "LpNormalizeState",
+    "ProjectL2BallState", "ProjectLinfBallState", "TopQState",
     "clamp", "clamp_params", "frank_wolfe", "l1_frank_wolfe", "l1_normalize",
     "l1q_frank_wolfe", "l1q_normalize", "l2_frank_wolfe", "l2_normalize", "linf_frank_wolfe",
     "project_l2_ball", "project_linf_ball", "sign", "top_q",

@@ -840,10 +840,13 @@ def test_empty_and_masked_trees():
     for tx in (optclip.top_q(0.5, dq=0.1), optclip.l2_frank_wolfe(1.0)):
         out, _ = tx.update({}, tx.init({}), {})
         assert out == {}
-    masked = optax.masked(optclip.l1q_normalize(0.5), {"w": True, "b": False})
     params = {"w": jnp.ones((2, 3)), "b": jnp.ones(3)}
-    out, _ = masked.update(params, masked.init(params))
-    np.testing.assert_array_equal(out["b"], params["b"])
+    for tx in (optclip.l1q_normalize(0.5), optclip.l2_frank_wolfe(1.0),
+               optclip.project_l2_ball(0.5)):
+        masked = optax.masked(tx, {"w": True, "b": False})
+        out, _ = masked.update(params, masked.init(params), params)
+        np.testing.assert_array_equal(out["b"], params["b"])
+        assert not np.array_equal(out["w"], params["w"])
 
 
 @pytest.mark.parametrize("call,match", [
