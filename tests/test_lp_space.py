@@ -217,6 +217,15 @@ def test_normalize_spec_vectors(case):
     np.testing.assert_allclose(got_x, arr(x) - got_g, **TOL)
 
 
+@pytest.mark.parametrize("kind,want_x", [
+    ("l2", [[0.78178215, 1.4364357, 0.127128482], [1.89195299, 0.925670564, 0.554023504]]),
+    ("l1", [[0.857142866, 1.28571427, 0.428571403], [1.63157892, 0.947368443, 0.684210539]]),
+])
+def test_normalize_spec_parameters(kind, want_x):
+    _, got_x = pre_step(NORMALIZERS[kind](-1), X1, G2)
+    np.testing.assert_allclose(got_x, np.asarray(want_x, F32), **TOL)
+
+
 @pytest.mark.parametrize("kind,g,want", [
     ("l2", [1e-30, 0.0], [1.0, 0.0]),              # reference: [85070592, 0] (spec §6 D4)
     ("l2", [1e-20, 1e-20], [0.70710677, 0.70710677]),
