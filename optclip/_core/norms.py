@@ -181,6 +181,17 @@ def scale(x: jax.Array, factor: jax.Array) -> jax.Array:
     return (_wide(x) * factor.astype(acc_dtype(x.dtype))).astype(x.dtype)
 
 
+def divide(x: jax.Array, divisor: jax.Array) -> jax.Array:
+    """``x / divisor`` computed in the wide dtype and cast back to ``x``'s dtype.
+
+    For references that divide by a precomputed divisor rather than multiply by its inverse
+    (torchzero's EMA and growth clippers, spec/torchzero.md §5): the last bit can differ.
+    """
+    if not is_float(x):
+        return x
+    return (_wide(x) / divisor.astype(acc_dtype(x.dtype))).astype(x.dtype)
+
+
 def scale_slices(
     tree: Any,
     ord: float | str,
@@ -214,3 +225,15 @@ def tree_unzip(fn: Callable[[Any], tuple], tree: Any, n: int) -> tuple[Any, ...]
     leaves, treedef = jax.tree.flatten(tree)
     results = [fn(x) for x in leaves]
     return tuple(treedef.unflatten([r[i] for r in results]) for i in range(n))
+
+
+def flatten_with(tree: Any, *others: Any) -> tuple[list, list[list], Any]:
+    """Leaves of ``tree`` (``None`` kept as a leaf) and the matching entries of ``others``.
+
+    ``others`` are trees built from ``tree`` by a ``jax.tree.map`` that returns ``None`` for
+    some leaves (e.g. per-leaf state with ``None`` for integer leaves); they are flattened up
+    to ``tree``'s structure, so position ``i`` of every list belongs to the same leaf. Returns
+    ``(leaves, [other_leaves, ...], treedef)``; ``treedef.unflatten`` rebuilds any of them.
+    """
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: x is None)
+    return leaves, [treedef.flatten_up_to(other) for other in others], treedef
