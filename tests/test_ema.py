@@ -259,7 +259,7 @@ def test_clip_value_by_ema_spec_vectors(name, kwargs, expected, jit):
 # ---------------------------------------------------------------------------------------------
 # Against the NumPy oracle: random sequences with spikes, both modes, several ords.
 
-ORDS = [2, 1, 3, math.inf, 0, "l1", "mad", "std", "var", "sum", -1.5]
+ORDS = [2, 1, 3, math.inf, 0, "mad", "std", "sum", -1.5]
 
 
 @pytest.mark.parametrize("normalize", [False, True], ids=["clip", "normalize"])
@@ -271,11 +271,13 @@ def test_norm_by_ema_matches_oracle(ord, tensorwise, normalize):
     factory = optclip.normalize_by_ema if normalize else optclip.clip_norm_by_ema
     outs, states = run(factory(**kwargs), [as_tree(s) for s in seq])
     want_outs, want_norms = oracle_norm_by_ema(seq, normalize=normalize, **kwargs)
+    # A negative order is ruled by the smallest |e_i|, which come out of cancellations in the
+    # EMA update: an ulp there (FMA or not) is a large relative change of the norm.
+    rtol = 1e-3 if isinstance(ord, (int, float)) and ord < 0 else ORACLE_RTOL
     for step, (out, want, state, want_r) in enumerate(zip(outs, want_outs, states, want_norms)):
         for got, w in zip(out, want):
-            np.testing.assert_allclose(got, w, rtol=ORACLE_RTOL, atol=1e-6,
-                                       err_msg=f"step {step}")
-        np.testing.assert_allclose(to_np(state.ema_norm), want_r, rtol=ORACLE_RTOL, atol=1e-7)
+            np.testing.assert_allclose(got, w, rtol=rtol, atol=1e-6, err_msg=f"step {step}")
+        np.testing.assert_allclose(to_np(state.ema_norm), want_r, rtol=rtol, atol=1e-7)
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -300,7 +302,7 @@ def test_norm_by_ema_float64_matches_oracle(tensorwise):
         seq = random_sequence(seed=3, dtype=np.float64)
         kwargs = dict(beta=0.7, tensorwise=tensorwise, ord=3)
         outs, states = run(optclip.clip_norm_by_ema(**kwargs),
-                           [as_tree(s, jnp.float64) for s in seq])
+                           [as_tree(s, jnp.float64) for s in seq], jit=True)
         want_outs, _ = oracle_norm_by_ema(seq, normalize=False, **kwargs)
         assert states[-1].ema[0].dtype == jnp.float64
         for out, want in zip(outs, want_outs):
@@ -465,7 +467,7 @@ ema_transforms = pytest.mark.parametrize("make", [m for _, m in ALL_EMA],
 @pytest.mark.parametrize("bad_step", [0, 3])
 def test_nonfinite_step_leaves_state_unchanged(make, bad_step):
     tx = make()
-    update = jax.jit(tx.update)
+    update = _jitted(tx)
     seq = [as_tree(s) for s in random_sequence(seed=1, steps=6)]
     bad = [x.at[(0,) * x.ndim].set(jnp.nan) for x in seq[bad_step]]
     clean_outs, _ = run(tx, seq, jit=True)
@@ -500,9 +502,9 @@ def test_bf16_statistics_in_float32_and_odd_trees(make):
     tree = {"w": jnp.ones((3, 2), jnp.bfloat16) * 3, "i": jnp.arange(3), "none": None,
             "masked": optax.MaskedNode(), "s": jnp.array(2.0, jnp.bfloat16),
             "empty": jnp.zeros((0, 2))}
-    state = tx.init(tree)
+    state, update = tx.init(tree), jax.jit(tx.update)
     for _ in range(2):
-        out, state = tx.update(tree, state)
+        out, state = update(tree, state)
     assert out["w"].dtype == jnp.bfloat16 and out["s"].dtype == jnp.bfloat16
     np.testing.assert_array_equal(out["i"], tree["i"])
     assert out["none"] is None and isinstance(out["masked"], optax.MaskedNode)
