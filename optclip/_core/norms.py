@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optclip._core import axes as axes_lib
+from optclip._core import checks
 
 Ord = int | float | str
 STRING_ORDS = ("l0", "l1", "l2", "l3", "l4", "linf", "mad", "std", "var", "sum")
@@ -33,6 +34,7 @@ TINY_NORM = 1e-12
 
 def canonical_ord(ord: Ord) -> float | str:
     """Validate ``ord`` and map ``'l0'``-``'l4'``/``'linf'`` to numbers."""
+    checks.static("ord", ord)
     if isinstance(ord, str):
         if ord not in STRING_ORDS:
             raise ValueError(
