@@ -24,39 +24,49 @@ from optclip._core import stats as stats_lib
 from optclip._core.norms import Ord
 
 __all__ = [
-    "ClipNormByEMAState", "ClipValueByEMAState", "NormalizeByEMAState",
+    "ClipNormByEMAGlobalState", "ClipNormByEMAState", "ClipValueByEMAState",
+    "NormalizeByEMAGlobalState", "NormalizeByEMAState",
     "clip_norm_by_ema", "clip_value_by_ema", "normalize_by_ema",
 ]
 
 EMA_INITS = ("zeros", "update")
 _NORM_FIELDS = ("norm", "ema_norm", "divisor", "clipped", "capped", "nonfinite")
+_PER_LEAF = ("norm", "ema_norm", "divisor", "clipped", "capped")
 
 
-@stats_lib.diagnostic("clip_norm_by_ema", _NORM_FIELDS)
+@stats_lib.diagnostic("clip_norm_by_ema", _NORM_FIELDS, per_leaf=_PER_LEAF)
 class ClipNormByEMAState(NamedTuple):
+    """State of :func:`clip_norm_by_ema` with ``tensorwise=True`` (per-leaf scalars)."""
+
     count: jax.Array      # int32 finite steps taken (0: the next finite step starts the EMA)
     ema: Any              # per leaf: EMA of the updates (leaf shape, float32 or wider)
-    ema_norm: Any         # per leaf, or one scalar: norm of the stored EMA after the growth cap
-    norm: Any             # per leaf, or one scalar: norm of the last finite update
+    ema_norm: Any         # per leaf: norm of the stored EMA after the growth cap
+    norm: Any             # per leaf: norm of the last finite update
     divisor: Any          # what that update was divided by
     clipped: Any          # divisor > 1: the update was scaled down
     capped: Any           # the growth cap rescaled the stored EMA
     nonfinite: jax.Array  # int32 steps whose updates were not finite (state left unchanged)
 
 
+# The other layouts share the fields; separate classes give each its own ``optclip.stats`` name
+# and keep the logged keys independent of the number of leaves.
+@stats_lib.diagnostic("clip_norm_by_ema", _NORM_FIELDS)
+class ClipNormByEMAGlobalState(ClipNormByEMAState):
+    """State of :func:`clip_norm_by_ema` with ``tensorwise=False`` (one scalar each)."""
+
+
+@stats_lib.diagnostic("normalize_by_ema", _NORM_FIELDS, per_leaf=_PER_LEAF)
+class NormalizeByEMAState(ClipNormByEMAState):
+    """State of :func:`normalize_by_ema` with ``tensorwise=True``."""
+
+
 @stats_lib.diagnostic("normalize_by_ema", _NORM_FIELDS)
-class NormalizeByEMAState(NamedTuple):
-    count: jax.Array
-    ema: Any
-    ema_norm: Any
-    norm: Any
-    divisor: Any
-    clipped: Any
-    capped: Any
-    nonfinite: jax.Array
+class NormalizeByEMAGlobalState(ClipNormByEMAState):
+    """State of :func:`normalize_by_ema` with ``tensorwise=False``."""
 
 
-@stats_lib.diagnostic("clip_value_by_ema", ("max_abs", "clipped", "nonfinite"))
+@stats_lib.diagnostic("clip_value_by_ema", ("max_abs", "clipped", "nonfinite"),
+                      per_leaf=("max_abs", "clipped"))
 class ClipValueByEMAState(NamedTuple):
     count: jax.Array            # int32 finite steps taken
     ema: Any                    # per leaf: EMA of |update| (leaf shape, float32 or wider)
@@ -118,11 +128,14 @@ def _float_zeros(tree: Any) -> Any:
 # ---------------------------------------------------------------------------------------------
 # Norm-referenced: clip_norm_by_ema, normalize_by_ema.
 
-def _norm_by_ema(normalize, state_cls, beta, ord, eps, tensorwise, max_ema_growth, ema_init):
+def _norm_by_ema(normalize, beta, ord, eps, tensorwise, max_ema_growth, ema_init):
     _check_ema_args(beta, ema_init)
     ord = norms.canonical_ord(ord)
     checks.non_negative("eps", eps)
     checks.boolean("tensorwise", tensorwise)
+    state_cls = {(False, True): ClipNormByEMAState, (False, False): ClipNormByEMAGlobalState,
+                 (True, True): NormalizeByEMAState,
+                 (True, False): NormalizeByEMAGlobalState}[normalize, bool(tensorwise)]
     checks.positive("max_ema_growth", max_ema_growth, allow_none=True)
 
     def cap_and_divide(a, b, r_prev, first, ema, measurable):
@@ -282,8 +295,7 @@ def clip_norm_by_ema(
       [0.3, 0.4] 1.5
       [1.35, 1.8] 2.25
     """
-    return _norm_by_ema(False, ClipNormByEMAState, beta, ord, eps, tensorwise, max_ema_growth,
-                        ema_init)
+    return _norm_by_ema(False, beta, ord, eps, tensorwise, max_ema_growth, ema_init)
 
 
 def normalize_by_ema(
@@ -323,8 +335,7 @@ def normalize_by_ema(
       [1.5, 2.0]
       [0.9, 1.2]
     """
-    return _norm_by_ema(True, NormalizeByEMAState, beta, ord, eps, tensorwise, max_ema_growth,
-                        ema_init)
+    return _norm_by_ema(True, beta, ord, eps, tensorwise, max_ema_growth, ema_init)
 
 
 # ---------------------------------------------------------------------------------------------

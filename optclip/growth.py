@@ -22,14 +22,15 @@ from optclip._core import stats as stats_lib
 from optclip._core.norms import Ord
 from optclip.ema import _keep_if, _measurable
 
-__all__ = ["ClipNormGrowthState", "ClipValueGrowthState", "clip_norm_growth",
-           "clip_value_growth"]
+__all__ = ["ClipNormGrowthGlobalState", "ClipNormGrowthState", "ClipValueGrowthState",
+           "clip_norm_growth", "clip_value_growth"]
 
 # torchzero floors the elementwise growth ratio here (spec §2.7 step 2).
 _MIN_RATIO = 1e-8
 
 
-@stats_lib.diagnostic("clip_value_growth", ("max_ratio", "clipped", "nonfinite"))
+@stats_lib.diagnostic("clip_value_growth", ("max_ratio", "clipped", "nonfinite"),
+                      per_leaf=("max_ratio", "clipped"))
 class ClipValueGrowthState(NamedTuple):
     count: jax.Array      # int32 finite steps taken (0: the next finite step is stored as is)
     prev: Any             # per leaf: the reference update (leaf shape, float32 or wider)
@@ -38,15 +39,25 @@ class ClipValueGrowthState(NamedTuple):
     nonfinite: jax.Array  # int32 steps whose updates were not finite (state left unchanged)
 
 
-@stats_lib.diagnostic("clip_norm_growth", ("norm", "prev_norm", "divisor", "clipped",
-                                           "nonfinite"))
+_NORM_FIELDS = ("norm", "prev_norm", "divisor", "clipped", "nonfinite")
+
+
+@stats_lib.diagnostic("clip_norm_growth", _NORM_FIELDS,
+                      per_leaf=("norm", "prev_norm", "divisor", "clipped"))
 class ClipNormGrowthState(NamedTuple):
+    """State of :func:`clip_norm_growth` with ``parameterwise=True`` (per-leaf scalars)."""
+
     count: jax.Array
-    prev_norm: Any        # per leaf, or one scalar: the reference norm for the next step
-    norm: Any             # per leaf, or one scalar: norm of the last finite update
+    prev_norm: Any        # per leaf: the reference norm for the next step
+    norm: Any             # per leaf: norm of the last finite update
     divisor: Any          # what that update was divided by
     clipped: Any          # divisor > 1
     nonfinite: jax.Array
+
+
+@stats_lib.diagnostic("clip_norm_growth", _NORM_FIELDS)
+class ClipNormGrowthGlobalState(ClipNormGrowthState):
+    """State of :func:`clip_norm_growth` with ``parameterwise=False`` (one scalar each)."""
 
 
 def _check_growth_args(add, mul, min_value, max_decay) -> None:
@@ -217,6 +228,7 @@ def clip_norm_growth(
     _check_growth_args(add, mul, min_value, max_decay)
     ord = norms.canonical_ord(ord)
     checks.boolean("parameterwise", parameterwise)
+    state_cls = ClipNormGrowthState if parameterwise else ClipNormGrowthGlobalState
 
     def divisor_and_reference(n, prev, first, measurable):
         """Divisor ``d`` and the next reference norm for a group of norm ``n`` (spec §2.8)."""
@@ -248,7 +260,7 @@ def clip_norm_growth(
             scalar = jnp.zeros((), jax.eval_shape(lambda t: norms.global_norm(t, ord),
                                                   params).dtype)
         zero = jnp.zeros([], jnp.int32)
-        return ClipNormGrowthState(zero, scalar, scalar, jax.tree.map(jnp.ones_like, scalar),
+        return state_cls(zero, scalar, scalar, jax.tree.map(jnp.ones_like, scalar),
                                    jax.tree.map(lambda s: jnp.zeros((), bool), scalar), zero)
 
     def update_fn(updates, state, params=None):
@@ -276,7 +288,7 @@ def clip_norm_growth(
 
         clipped = jax.tree.map(lambda d: d > 1, divisor)
         ok = stats_lib.all_finite(updates) & stats_lib.all_finite((norm, prev_norm))
-        new = ClipNormGrowthState(optax.safe_increment(state.count), prev_norm, norm, divisor,
+        new = state_cls(optax.safe_increment(state.count), prev_norm, norm, divisor,
                                   clipped, state.nonfinite)
         new_state = _keep_if(ok, new, state)._replace(
             nonfinite=state.nonfinite + (~ok).astype(jnp.int32))
