@@ -97,6 +97,12 @@ def slice_norm(x: jax.Array, ord: float | str, axes: tuple[int, ...]) -> jax.Arr
     return jnp.sum(jnp.abs(x) ** ord, **reduce) ** (1.0 / ord)
 
 
+def metric_defined(ord: float | str, size: int) -> bool:
+    """Whether the metric of ``size`` elements has a value: ``'std'``/``'var'`` (ddof=1) need
+    two elements (torchzero returns NaN there: spec/torchzero.md §4 D9)."""
+    return not (ord in ("std", "var") and size < 2)
+
+
 def leaf_norm(x: jax.Array, ord: float | str) -> jax.Array:
     """Metric of a whole leaf as a 0-d array in the wide dtype."""
     return slice_norm(x, ord, tuple(range(x.ndim))).reshape(())
