@@ -98,9 +98,13 @@ def slice_norm(x: jax.Array, ord: float | str, axes: tuple[int, ...]) -> jax.Arr
 
 
 def metric_defined(ord: float | str, size: int) -> bool:
-    """Whether the metric of ``size`` elements has a value: ``'std'``/``'var'`` (ddof=1) need
-    two elements (torchzero returns NaN there: spec/torchzero.md §4 D9)."""
-    return not (ord in ("std", "var") and size < 2)
+    """Whether a group of ``size`` elements has a metric worth scaling by.
+
+    ``'std'``/``'var'`` (ddof=1) need two elements (torchzero returns NaN there:
+    spec/torchzero.md §4 D9); an empty group has nothing to measure (``'mad'`` would be 0/0,
+    negative orders infinite).
+    """
+    return size > 0 and not (ord in ("std", "var") and size < 2)
 
 
 def leaf_norm(x: jax.Array, ord: float | str) -> jax.Array:
