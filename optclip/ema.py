@@ -103,15 +103,10 @@ def lerp(start: jax.Array, end: jax.Array, beta: Any) -> jax.Array:
                      end - (end - start) * (1 - weight))
 
 
-def _keep_if(ok: jax.Array, new: Any, old: Any) -> Any:
-    """``new`` when ``ok`` else ``old``, leaf by leaf (a non-finite step never enters state)."""
-    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-
-
-def _measurable(ord: float | str, size: int) -> bool:
-    """ddof=1 metrics have no value on fewer than two elements: such groups are left alone
-    (torchzero returns NaN there: spec/torchzero.md §4 D9)."""
-    return not (ord in ("std", "var") and size < 2)
+def commit_step(ok: jax.Array, new: Any, old: Any) -> Any:
+    """The new state if the step was finite (``ok``), else the old one with ``nonfinite + 1``."""
+    return stats_lib.keep_if(ok, new, old)._replace(
+        nonfinite=old.nonfinite + (~ok).astype(jnp.int32))
 
 
 def _double_tiny(dtype) -> jax.Array:
@@ -167,7 +162,7 @@ def _norm_by_ema(normalize, beta, ord, eps, tensorwise, max_ema_growth, ema_init
         """
         measure = norms.leaf_norm if tensorwise else norms.global_norm
         a, b = (measure(group, ord) for group in groups)
-        if not _measurable(ord, size):
+        if not norms.metric_defined(ord, size):
             return jnp.zeros_like(a), jnp.zeros_like(b), False
         return a, b, True
 
@@ -225,9 +220,7 @@ def _norm_by_ema(normalize, beta, ord, eps, tensorwise, max_ema_growth, ema_init
         ok = stats_lib.all_finite(updates) & stats_lib.all_finite((norm, ema_norm))
         new = state_cls(optax.safe_increment(state.count), treedef.unflatten(ema), ema_norm,
                         norm, divisor, clipped, capped, state.nonfinite)
-        new_state = _keep_if(ok, new, state)._replace(
-            nonfinite=state.nonfinite + (~ok).astype(jnp.int32))
-        return new_updates, new_state
+        return new_updates, commit_step(ok, new, state)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -430,8 +423,6 @@ def clip_value_by_ema(
         new = ClipValueByEMAState(optax.safe_increment(state.count), ema_tree, transform_state,
                                   treedef.unflatten(measured), treedef.unflatten(clipped),
                                   state.nonfinite)
-        new_state = _keep_if(ok, new, state)._replace(
-            nonfinite=state.nonfinite + (~ok).astype(jnp.int32))
-        return treedef.unflatten(outputs), new_state
+        return treedef.unflatten(outputs), commit_step(ok, new, state)
 
     return optax.GradientTransformation(init_fn, update_fn)

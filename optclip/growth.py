@@ -20,7 +20,7 @@ import optax
 from optclip._core import checks, norms
 from optclip._core import stats as stats_lib
 from optclip._core.norms import Ord
-from optclip.ema import _keep_if, _measurable
+from optclip.ema import commit_step
 
 __all__ = ["ClipNormGrowthGlobalState", "ClipNormGrowthState", "ClipValueGrowthState",
            "clip_norm_growth", "clip_value_growth"]
@@ -161,9 +161,7 @@ def clip_value_growth(
         ok = stats_lib.all_finite(updates) & stats_lib.all_finite(new_prev)
         new = ClipValueGrowthState(optax.safe_increment(state.count), new_prev, max_ratio,
                                    clipped, state.nonfinite)
-        new_state = _keep_if(ok, new, state)._replace(
-            nonfinite=state.nonfinite + (~ok).astype(jnp.int32))
-        return outputs, new_state
+        return outputs, commit_step(ok, new, state)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -273,14 +271,14 @@ def clip_norm_growth(
             per_leaf = [None] * len(leaves)
             for i, (x, prev) in enumerate(zip(leaves, prevs)):
                 if norms.is_float(x):
-                    measurable = _measurable(ord, x.size)
+                    measurable = norms.metric_defined(ord, x.size)
                     n = norms.leaf_norm(x, ord) if measurable else jnp.zeros_like(prev)
                     per_leaf[i] = (n, *divisor_and_reference(n, prev, first, measurable))
             norm, divisor, prev_norm = (
                 treedef.unflatten([p[k] if p else None for p in per_leaf]) for k in range(3))
             outputs = [norms.divide(x, p[1]) if p else x for x, p in zip(leaves, per_leaf)]
         else:
-            measurable = _measurable(ord, sum(x.size for x in floats))
+            measurable = norms.metric_defined(ord, sum(x.size for x in floats))
             norm = (norms.global_norm(floats, ord).astype(state.prev_norm.dtype) if measurable
                     else jnp.zeros_like(state.prev_norm))
             divisor, prev_norm = divisor_and_reference(norm, state.prev_norm, first, measurable)
@@ -290,8 +288,6 @@ def clip_norm_growth(
         ok = stats_lib.all_finite(updates) & stats_lib.all_finite((norm, prev_norm))
         new = state_cls(optax.safe_increment(state.count), prev_norm, norm, divisor,
                                   clipped, state.nonfinite)
-        new_state = _keep_if(ok, new, state)._replace(
-            nonfinite=state.nonfinite + (~ok).astype(jnp.int32))
-        return treedef.unflatten(outputs), new_state
+        return treedef.unflatten(outputs), commit_step(ok, new, state)
 
     return optax.GradientTransformation(init_fn, update_fn)

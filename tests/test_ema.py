@@ -578,3 +578,16 @@ def test_lax_scan_matches_python_loop(make):
     chex.assert_trees_all_close(scanned, jax.tree.map(lambda *xs: jnp.stack(xs), *outs),
                                 rtol=1e-6, atol=1e-7)
     chex.assert_trees_all_close(final, states[-1], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("tensorwise", [True, False])
+@pytest.mark.parametrize("ord", ["mad", -math.inf, -1.5, "std"], ids=str)
+def test_empty_leaves_keep_statistics_finite(ord, tensorwise):
+    """An empty leaf has no metric ('mad' would be 0/0): it must not block the state."""
+    tx = optclip.normalize_by_ema(beta=0.5, ord=ord, tensorwise=tensorwise)
+    tree = [jnp.zeros((0, 3)), jnp.array([3.0, 4.0])] if tensorwise else [jnp.zeros((0, 3))]
+    state = tx.init(tree)
+    for _ in range(2):
+        out, state = tx.update(tree, state)
+    assert int(state.count) == 2 and int(state.nonfinite) == 0
+    assert all(np.all(np.isfinite(x)) for x in to_np(out))

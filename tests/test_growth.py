@@ -440,3 +440,15 @@ def test_lax_scan_matches_python_loop(make):
     chex.assert_trees_all_close(scanned, jax.tree.map(lambda *xs: jnp.stack(xs), *outs),
                                 rtol=1e-6, atol=1e-7)
     chex.assert_trees_all_close(final, states[-1], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("parameterwise", [True, False])
+@pytest.mark.parametrize("ord", ["mad", -math.inf], ids=str)
+def test_empty_leaves_keep_reference_finite(ord, parameterwise):
+    tx = optclip.clip_norm_growth(ord=ord, parameterwise=parameterwise)
+    tree = [jnp.zeros((0, 3)), jnp.array([3.0, 4.0])] if parameterwise else [jnp.zeros((0, 3))]
+    state = tx.init(tree)
+    for _ in range(2):
+        out, state = tx.update(tree, state)
+    assert int(state.count) == 2 and int(state.nonfinite) == 0
+    assert all(np.all(np.isfinite(x)) for x in to_np(out))
