@@ -459,6 +459,8 @@ ALL_EMA = [
     ("value_transform", lambda: optclip.clip_value_by_ema(
         beta=0.6, ema_transform=optax.ema(0.5, debias=False))),
 ]
+# One transform per row (functools.cache), so the jitted update is shared between the tests.
+ALL_EMA = [(name, functools.cache(make)) for name, make in ALL_EMA]
 ema_transforms = pytest.mark.parametrize("make", [m for _, m in ALL_EMA],
                                          ids=[n for n, _ in ALL_EMA])
 
@@ -502,7 +504,7 @@ def test_bf16_statistics_in_float32_and_odd_trees(make):
     tree = {"w": jnp.ones((3, 2), jnp.bfloat16) * 3, "i": jnp.arange(3), "none": None,
             "masked": optax.MaskedNode(), "s": jnp.array(2.0, jnp.bfloat16),
             "empty": jnp.zeros((0, 2))}
-    state, update = tx.init(tree), jax.jit(tx.update)
+    state, update = tx.init(tree), _jitted(tx)
     for _ in range(2):
         out, state = update(tree, state)
     assert out["w"].dtype == jnp.bfloat16 and out["s"].dtype == jnp.bfloat16

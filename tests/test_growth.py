@@ -325,6 +325,8 @@ ALL_GROWTH = [
     ("norm_parameterwise", lambda: optclip.clip_norm_growth(add=0.5)),
     ("norm_global", lambda: optclip.clip_norm_growth(parameterwise=False, ord="l1")),
 ]
+# One transform per row (functools.cache), so the jitted update is shared between the tests.
+ALL_GROWTH = [(name, functools.cache(make)) for name, make in ALL_GROWTH]
 growth_transforms = pytest.mark.parametrize("make", [m for _, m in ALL_GROWTH],
                                             ids=[n for n, _ in ALL_GROWTH])
 
@@ -367,7 +369,7 @@ def test_bf16_statistics_in_float32_and_odd_trees(make):
     tree = {"w": jnp.ones((3, 2), jnp.bfloat16) * 3, "i": jnp.arange(3), "none": None,
             "masked": optax.MaskedNode(), "s": jnp.array(2.0, jnp.bfloat16),
             "empty": jnp.zeros((0, 2))}
-    state, update = tx.init(tree), jax.jit(tx.update)
+    state, update = tx.init(tree), _jitted(tx)
     for scale in (1.0, 10.0):
         out, state = update(jax.tree.map(lambda x: x * scale if optclip._core.norms.is_float(x)
                                             else x, tree), state)
