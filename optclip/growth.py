@@ -137,7 +137,8 @@ def clip_value_growth(
             new_prev = jnp.where(ratio < 1 / _const(max_decay, y), prev / _const(max_decay, y),
                                  y)
         clipped = jnp.any(y != wide)
-        max_ratio = jnp.max(ratio, initial=0)
+        # 0/0 (no floor, zero reference and update) has no ratio; torchzero leaves it alone.
+        max_ratio = jnp.max(jnp.where(jnp.isnan(ratio), 0, ratio), initial=0)
         y = jnp.where(first, wide, y)
         return (y.astype(x.dtype), jnp.where(first, wide, new_prev),
                 jnp.where(first, 1, max_ratio).astype(prev.dtype), clipped & ~first)
@@ -259,7 +260,7 @@ def clip_norm_growth(
                                                   params).dtype)
         zero = jnp.zeros([], jnp.int32)
         return state_cls(zero, scalar, scalar, jax.tree.map(jnp.ones_like, scalar),
-                                   jax.tree.map(lambda s: jnp.zeros((), bool), scalar), zero)
+                         jax.tree.map(lambda s: jnp.zeros((), bool), scalar), zero)
 
     def update_fn(updates, state, params=None):
         del params
@@ -286,8 +287,8 @@ def clip_norm_growth(
 
         clipped = jax.tree.map(lambda d: d > 1, divisor)
         ok = stats_lib.all_finite(updates) & stats_lib.all_finite((norm, prev_norm))
-        new = state_cls(optax.safe_increment(state.count), prev_norm, norm, divisor,
-                                  clipped, state.nonfinite)
+        new = state_cls(optax.safe_increment(state.count), prev_norm, norm, divisor, clipped,
+                        state.nonfinite)
         return treedef.unflatten(outputs), commit_step(ok, new, state)
 
     return optax.GradientTransformation(init_fn, update_fn)
