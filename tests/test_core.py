@@ -188,3 +188,23 @@ def test_nonfinite_step_keeps_the_last_finite_diagnostics_and_counts():
     assert float(logged["clip_by_global_norm/norm"]) == 6.0
     assert int(logged["clip_by_global_norm/nonfinite"]) == 1
     assert np.isnan(np.asarray(out["w"][0, 0]))      # the output follows the formula
+
+
+@pytest.mark.parametrize("ord", [2, 1, 0, math.inf, -math.inf, "std", "sum", 3])
+def test_grouped_reductions_match_one_reduce_per_leaf(ord, monkeypatch):
+    rng = np.random.default_rng(2)
+    tree = [jnp.asarray(rng.normal(size=shape), dtype) for shape, dtype in
+            [((3, 4), jnp.float32)] * 40 + [((5,), jnp.float32)] * 3 + [((5,), jnp.bfloat16),
+                                                                        ((0, 2), jnp.float32)]]
+    ord = norms.canonical_ord(ord)
+    monkeypatch.setattr(norms, "_may_group", lambda: False)
+    per_leaf = jax.jit(lambda t: norms.global_norm(t, ord))(tree)
+    monkeypatch.setattr(norms, "_may_group", lambda: True)
+    grouped = jax.jit(lambda t: norms.global_norm(t, ord))(tree)
+    np.testing.assert_allclose(grouped, per_leaf, rtol=1e-6)
+    text = jax.jit(lambda t: norms.global_norm(t, ord)).lower(tree).as_text()
+    assert text.count("stablehlo.reduce") < 15          # 45 leaves (twice for std): a handful
+
+
+def test_no_grouping_when_several_devices_are_visible():
+    assert jax.device_count() == 8 and not norms._may_group()
