@@ -205,11 +205,6 @@ def _count_nonfinite(nonfinite: jax.Array, finite: jax.Array) -> jax.Array:
     return nonfinite + (~finite).astype(jnp.int32)
 
 
-def _keep_if(finite: jax.Array, new: Any, old: Any) -> Any:
-    """``new`` when the step was finite, else ``old`` (a non-finite step never enters state)."""
-    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-
-
 def _require_params(params: Any, name: str) -> None:
     if params is None:
         raise ValueError(f"{name} needs the current parameters: call "
@@ -449,7 +444,7 @@ def _lp_normalize(ord: float, state_cls: type, name: str, param_ndim: int | None
         del params
         new_updates, measured = apply(updates)
         finite = stats_lib.all_finite(updates)
-        return new_updates, state_cls(_keep_if(finite, measured, state.norm),
+        return new_updates, state_cls(stats_lib.keep_if(finite, measured, state.norm),
                                       _count_nonfinite(state.nonfinite, finite))
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -544,7 +539,7 @@ def _top_q_family(name: str, state_cls: type, q: Any, dq: Any, param_ndim: int |
         finite = stats_lib.all_finite(updates)
         new_state = state_cls(key, treedef.unflatten(q_of), treedef.unflatten(_k_arrays(k_of)),
                               state.nonfinite)
-        new_state = _keep_if(finite, new_state, state)
+        new_state = stats_lib.keep_if(finite, new_state, state)
         return treedef.unflatten(new_leaves), new_state._replace(
             nonfinite=_count_nonfinite(state.nonfinite, finite))
 
@@ -683,7 +678,7 @@ def clamp(clamp_min: float | None = None, clamp_max: float | None = None,
         clipped = jax.tree.map(lambda g, c: jnp.any(g != c) if norms.is_float(g) else None,
                                updates, clamped)
         finite = stats_lib.all_finite(updates)
-        new_state = ClampState(_keep_if(finite, clipped, state.clipped),
+        new_state = ClampState(stats_lib.keep_if(finite, clipped, state.clipped),
                                _count_nonfinite(state.nonfinite, finite))
         return _float_map(lambda g: _affine(g, grad_scale, grad_bias), clamped), new_state
 
@@ -718,7 +713,7 @@ def _projection(name: str, project, init_diag, state_cls: type) -> optax.Gradien
             lambda u, px, p: (px - p).astype(u.dtype) if norms.is_float(u) else u,
             updates, projected, params)
         finite = stats_lib.all_finite(targets)
-        kept = [_keep_if(finite, new, old) for new, old in zip(diag, state[:n_diag], strict=True)]
+        kept = stats_lib.keep_if(finite, tuple(diag), tuple(state[:n_diag]))
         return new_updates, state_cls(*kept, _count_nonfinite(state.nonfinite, finite))
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -928,7 +923,7 @@ def _frank_wolfe(name: str, lmo, scaling: Any, learning_rate: Any, schedule: boo
         new_leaves = [_fw_step(p, lmo(g, axes_of(g), k), a, b).astype(g.dtype)
                       if norms.is_float(g) else g
                       for g, k, p in zip(leaves, k_of, param_leaves, strict=True)]
-        new_state = _keep_if(finite, new_state, state)
+        new_state = stats_lib.keep_if(finite, new_state, state)
         return treedef.unflatten(new_leaves), new_state._replace(
             nonfinite=_count_nonfinite(state.nonfinite, finite))
 
