@@ -303,6 +303,12 @@ def _static_k(q: float, size: int) -> int:
     return round((1.0 - float(q)) * size)
 
 
+def _traced_k(q: jax.Array, size: int) -> jax.Array:
+    """``round((1 - q) * D)`` on device, half to even, in float64 under x64 else float32."""
+    wide = norms.stat_dtype()
+    return jnp.round((1 - q.astype(wide)) * size).astype(jnp.int32)
+
+
 def _top_q_kept(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array) -> jax.Array:
     """``g`` with all but the ``k`` largest-``|g|`` entries of every slice set to zero."""
     size = axes_lib.slice_size(g.shape, axes)
@@ -373,10 +379,9 @@ class _DropFraction:
         # One float32 q per leaf: q_lo + (q_hi - q_lo) * u, as torch forms it. k in the widest
         # float available (the reference uses double; float32 can differ only at exact .5).
         q_t = (q_hi - q_lo) * u + q_lo
-        wide = norms.stat_dtype()
         for j, i in enumerate(floats):
             q_of[i] = q_t[j]
-            k_of[i] = jnp.round((1 - q_t[j].astype(wide)) * sizes[i]).astype(jnp.int32)
+            k_of[i] = _traced_k(q_t[j], sizes[i])
         return key, q_of, k_of
 
 

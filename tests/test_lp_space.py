@@ -709,6 +709,15 @@ def test_random_q_draws_stay_in_range_differ_between_steps_and_set_k():
     assert abs(np.mean(a) - q) < 0.06 and np.std(a) > 0.1        # roughly uniform on [0.2, 0.8)
 
 
+@pytest.mark.parametrize("q_t,size,k", [
+    (0.377667189, 10, 6), (0.509937406, 1, 0), (0.351002455, 10, 6), (0.613134086, 1, 0),
+    (0.244383484, 10, 8), (0.719913185, 1, 0)])
+def test_drawn_q_to_k_matches_the_reference_draws(q_t, size, k):
+    """The q_t torch drew in spec §7.2 (seed 123) and the k it used."""
+    from optclip.lp_space import _traced_k
+    assert int(_traced_k(jnp.float32(q_t), size)) == k
+
+
 def test_random_q_edges_clip_to_unit_interval_and_seed_matters():
     tree = jnp.arange(1.0, 11.0)
     q_values = []
