@@ -606,7 +606,7 @@ nonzero = finite.filter(lambda v: abs(v) > 1e-3)
 def slices(draw, elements=finite):
     shape = draw(st.sampled_from([(3, 5), (2, 2, 3)]))
     values = draw(st.lists(elements, min_size=math.prod(shape), max_size=math.prod(shape)))
-    param_ndim = draw(st.sampled_from([None, 0, -1, 1]))
+    param_ndim = draw(st.sampled_from([None, -1]))
     return np.asarray(values, np.float32).reshape(shape), param_ndim
 
 
@@ -929,9 +929,9 @@ def test_inject_hyperparams_traced_q_and_scale():
     np.testing.assert_allclose(optax.apply_updates(x, u), [-0.80498445, -1.6099689], rtol=1e-6)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: optclip.top_q(0.5, param_ndim=None), lambda: optclip.l1q_normalize(0.3, dq=0.2),
-    lambda: optclip.l1_frank_wolfe(1.0, param_ndim=None)], ids=["top_q", "l1q", "l1_fw"])
+@pytest.mark.parametrize("make", [lambda: optclip.top_q(0.5, param_ndim=None),
+                                  lambda: optclip.l1_frank_wolfe(1.0, param_ndim=None)],
+                         ids=["top_q", "l1_fw"])
 def test_whole_leaf_ranking_under_sharding_gives_the_same_numbers(make):
     """A slice spread over devices is gathered for the ranking (docs); the numbers agree."""
     from jax.sharding import NamedSharding, PartitionSpec
