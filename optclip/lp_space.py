@@ -188,10 +188,6 @@ def _per_leaf(fn, tree: Any) -> Any:
     return jax.tree.map(lambda x: fn(x) if norms.is_float(x) else None, tree)
 
 
-def _zeros_like_shapes(tree: Any) -> Any:
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
-
-
 def _affine(g: jax.Array, grad_scale: Any, grad_bias: Any) -> jax.Array:
     """``g * grad_scale + grad_bias`` in the leaf dtype, skipping a literal 1 / 0 (spec §1.3)."""
     if not (_is_number(grad_scale) and grad_scale == 1):
@@ -199,10 +195,6 @@ def _affine(g: jax.Array, grad_scale: Any, grad_bias: Any) -> jax.Array:
     if not (_is_number(grad_bias) and grad_bias == 0):
         g = g + jnp.asarray(grad_bias).astype(g.dtype)
     return g
-
-
-def _count_nonfinite(nonfinite: jax.Array, finite: jax.Array) -> jax.Array:
-    return nonfinite + (~finite).astype(jnp.int32)
 
 
 def _require_params(params: Any, name: str) -> None:
@@ -442,7 +434,7 @@ def _lp_normalize(ord: float, state_cls: type, name: str, param_ndim: int | None
 
     def init_fn(params):
         _check_param_ndim_on(params, param_ndim, name)
-        measured = _zeros_like_shapes(jax.eval_shape(lambda p: apply(p)[1], params))
+        measured = stats_lib.zeros_like_shapes(jax.eval_shape(lambda p: apply(p)[1], params))
         return state_cls(measured, jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
@@ -450,7 +442,7 @@ def _lp_normalize(ord: float, state_cls: type, name: str, param_ndim: int | None
         new_updates, measured = apply(updates)
         finite = stats_lib.all_finite(updates)
         return new_updates, state_cls(stats_lib.keep_if(finite, measured, state.norm),
-                                      _count_nonfinite(state.nonfinite, finite))
+                                      stats_lib.count_nonfinite(state.nonfinite, finite))
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -546,7 +538,7 @@ def _top_q_family(name: str, state_cls: type, q: Any, dq: Any, param_ndim: int |
                               state.nonfinite)
         new_state = stats_lib.keep_if(finite, new_state, state)
         return treedef.unflatten(new_leaves), new_state._replace(
-            nonfinite=_count_nonfinite(state.nonfinite, finite))
+            nonfinite=stats_lib.count_nonfinite(state.nonfinite, finite))
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -684,7 +676,7 @@ def clamp(clamp_min: float | None = None, clamp_max: float | None = None,
                                updates, clamped)
         finite = stats_lib.all_finite(updates)
         new_state = ClampState(stats_lib.keep_if(finite, clipped, state.clipped),
-                               _count_nonfinite(state.nonfinite, finite))
+                               stats_lib.count_nonfinite(state.nonfinite, finite))
         return _float_map(lambda g: _affine(g, grad_scale, grad_bias), clamped), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -719,7 +711,7 @@ def _projection(name: str, project, init_diag, state_cls: type) -> optax.Gradien
             updates, projected, params)
         finite = stats_lib.all_finite(targets)
         kept = stats_lib.keep_if(finite, tuple(diag), tuple(state[:n_diag]))
-        return new_updates, state_cls(*kept, _count_nonfinite(state.nonfinite, finite))
+        return new_updates, state_cls(*kept, stats_lib.count_nonfinite(state.nonfinite, finite))
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -777,7 +769,7 @@ def project_l2_ball(epsilon: float, param_ndim: int | None = -1, *, exact: bool 
         _check_param_ndim_on(params, param_ndim, "project_l2_ball")
         shapes = jax.eval_shape(lambda p: norms.tree_unzip(
             lambda x: project(x)[1:] if norms.is_float(x) else (None, None), p, 2), params)
-        return tuple(_zeros_like_shapes(s) for s in shapes)
+        return tuple(stats_lib.zeros_like_shapes(s) for s in shapes)
 
     return _projection("project_l2_ball", project, init_diag, ProjectL2BallState)
 
@@ -930,7 +922,7 @@ def _frank_wolfe(name: str, lmo, scaling: Any, learning_rate: Any, schedule: boo
                       for g, k, p in zip(leaves, k_of, param_leaves, strict=True)]
         new_state = stats_lib.keep_if(finite, new_state, state)
         return treedef.unflatten(new_leaves), new_state._replace(
-            nonfinite=_count_nonfinite(state.nonfinite, finite))
+            nonfinite=stats_lib.count_nonfinite(state.nonfinite, finite))
 
     return optax.GradientTransformation(init_fn, update_fn)
 

@@ -564,24 +564,6 @@ def test_clip_value_by_ema_rejects_bad_arguments(kwargs, name):
         optclip.clip_value_by_ema(**kwargs)
 
 
-@pytest.mark.parametrize("make", [ALL_EMA[i][1] for i in (0, 4)],
-                         ids=[ALL_EMA[i][0] for i in (0, 4)])
-def test_lax_scan_matches_python_loop(make):
-    tx = make()
-    steps = [as_tree(s) for s in random_sequence(seed=9, steps=5)]
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *steps)
-
-    def body(state, g):
-        out, state = tx.update(g, state)
-        return state, out
-
-    final, scanned = jax.lax.scan(body, tx.init(steps[0]), stacked)
-    outs, states = run(tx, steps, jit=True)
-    chex.assert_trees_all_close(scanned, jax.tree.map(lambda *xs: jnp.stack(xs), *outs),
-                                rtol=1e-6, atol=1e-7)
-    chex.assert_trees_all_close(final, states[-1], rtol=1e-6, atol=1e-7)
-
-
 @pytest.mark.parametrize("tensorwise", [True, False])
 @pytest.mark.parametrize("ord", ["mad", -math.inf, -1.5, "std"], ids=str)
 def test_empty_leaves_keep_statistics_finite(ord, tensorwise):

@@ -102,3 +102,13 @@ def keep_if(ok: jax.Array, new: Any, old: Any) -> Any:
     one had not happened.
     """
     return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+
+def zeros_like_shapes(shapes: Any) -> Any:
+    """Zeros for a tree of ``jax.ShapeDtypeStruct`` (``jax.eval_shape`` of a diagnostic)."""
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def count_nonfinite(nonfinite: jax.Array, finite: jax.Array) -> jax.Array:
+    """The ``nonfinite`` counter after a step whose updates were ``finite`` (a scalar bool)."""
+    return nonfinite + (~finite).astype(jnp.int32)
