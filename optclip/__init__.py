@@ -23,6 +23,19 @@ from optclip.clipping import (
 # family: ema (issue 3)
 # family: growth (issue 3)
 # family: history (issue 4)
+from optclip.history import (
+    Criterion,
+    ema_criterion,
+    hist_clip,
+    max_clipping,
+    mean_clipping,
+    param_hist_clip,
+    quantile_clip,
+    reciprocal_clipping,
+    standard_clip,
+    zclip,
+    zscore_criterion,
+)
 # family: lp_space (issue 5)
 
 __version__ = "0.1.0"
@@ -42,5 +55,16 @@ __all__ = [
     # ema.py
     # growth.py
     # history.py
+    "Criterion",
+    "ema_criterion",
+    "hist_clip",
+    "max_clipping",
+    "mean_clipping",
+    "param_hist_clip",
+    "quantile_clip",
+    "reciprocal_clipping",
+    "standard_clip",
+    "zclip",
+    "zscore_criterion",
     # lp_space.py
 ]

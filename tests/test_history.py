@@ -1,0 +1,866 @@
+"""Tests for optclip/history.py: spec/adaptive.md §6 vectors, a scalar oracle, properties."""
+
+from __future__ import annotations
+
+import math
+
+import chex
+import flax.serialization
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given
+
+enable_x64 = jax.enable_x64
+
+import optclip
+from optclip import history
+
+# ---------------------------------------------------------------------------------------------
+# §6.1 input: 40 calls, parameters a (2) and b (2).
+G = np.array([
+    [0.29, -0.43, 0.21, 0.07], [0.3, -0.41, 0.17, 0.1], [0.26, -0.41, 0.17, 0.08],
+    [0.29, -0.37, 0.18, 0.08], [0.31, -0.36, 0.2, 0.09], [0.34, -0.44, 0.22, 0.09],
+    [0.27, -0.43, 0.19, 0.12], [0.27, -0.39, 0.21, 0.09], [0.3, -0.43, 0.17, 0.08],
+    [1.24, -1.64, 0.76, 0.44], [0.3, -0.42, 0.22, 0.11], [0.28, -0.39, 0.2, 0.12],
+    [0.32, -0.42, 0.23, 0.08], [0.29, -0.38, 0.18, 0.1], [0.26, -0.39, 0.22, 0.1],
+    [0.33, -0.41, 0.21, 0.11], [0.31, -0.4, 0.22, 0.13], [0.3, -0.39, 0.17, 0.11],
+    [0.31, -0.36, 0.22, 0.09], [0.29, -0.39, 0.17, 0.1], [0.27, -0.43, 0.17, 0.12],
+    [0.27, -0.42, 0.19, 0.12], [0.27, -0.4, 0.2, 0.12], [1.98, -2.22, 0.19, 0.09],
+    [0.29, -0.37, 0.23, 0.08], [0.27, -0.42, 0.18, 0.1], [2.48, -3.36, 0.17, 0.1],
+    [0.29, -0.39, 0.23, 0.11], [0.3, -0.39, 0.21, 0.07], [0.33, -0.38, 0.22, 0.12],
+    [0.29, -0.41, 0.18, 0.11], [0.26, -0.43, 0.18, 0.08], [0.29, -0.44, 1.7, 0.8],
+    [0.27, -0.41, 0.17, 0.12], [0.31, -0.43, 0.19, 0.09], [0.29, -0.43, 0.22, 0.13],
+    [0.3, -0.4, 0.18, 0.08], [1.45, -2.1, 1.1, 0.4], [0.026, -0.036, 0.02, 0.008],
+    [0.3, -0.44, 0.2, 0.13]])
+
+# §6.2 pre-clip global norms (checks the norm itself).
+PRE = {1: 0.563914887195, 10: 2.235710178, 24: 2.98211334459, 27: 4.18077743966,
+       33: 1.9513328778, 38: 2.80757902827, 39: 0.049355850717, 40: 0.583523778436}
+
+SAME = "="
+RTOL64 = 2e-11   # the tables print 12 significant digits
+RTOL32 = 2e-6    # the references move by <= 9e-8 (drytorch, ZClip), 1e-6 (autoclip) in float32
+RTOL32_AUTOCLIP = 5e-6  # a float32 quantile rank q * (k - 1) is itself off by ~1e-6 (§7.1)
+
+zs, ema = optclip.zscore_criterion, optclip.ema_criterion
+mx, mn, rc = optclip.max_clipping, optclip.mean_clipping, optclip.reciprocal_clipping
+
+# Global columns: name -> (factory, {call: post-op global norm or SAME}). Calls not listed are
+# unchanged (bit-identical).
+GLOBAL_COLUMNS = {
+    # §6.3 drytorch HistClipper, N = 20, GradNormClipper(1) warm-up.
+    "HC-Z/recip": (lambda: optclip.hist_clip(), {
+        10: 0.999999552715, 24: 0.971239679509, 27: 1.18221848549, 33: SAME,
+        38: 2.353716193}),
+    "HC-Z/max": (lambda: optclip.hist_clip(zs(clip_fn=mx)), {
+        10: 0.999999552715, 24: 1.52945231075, 27: 2.00377557614, 38: 2.56641947751}),
+    "HC-Z/mean": (lambda: optclip.hist_clip(zs(clip_fn=mn)), {
+        10: 0.999999552715, 24: 0.622866635502, 27: 0.684258998198, 38: 0.763756292674}),
+    "HC-EMA/max": (lambda: optclip.hist_clip(ema()), {
+        10: 0.999999552715, 24: 0.65660161136, 27: 0.700370367282, 33: 0.754956199918,
+        38: 0.765441957301}),
+    "HC-EMA/recip": (lambda: optclip.hist_clip(ema(clip_fn=rc)), {
+        10: 0.999999552715, 24: 0.144570568182, 27: 0.117327166005, 33: 0.292087097166,
+        38: 0.208685701375}),
+    "HC-EMA/mean ref": (lambda: optclip.hist_clip(ema(clip_fn=mn, parity="reference")), {
+        10: 0.999999552715, 24: 0.0, 27: 0.0, 33: 0.0, 38: 0.0}),
+    # §6.4 zclip.
+    "Z1": (lambda: optclip.zclip(), {
+        10: 0.999999552715, 24: 0.999999664667, 27: 0.99999976081, 33: 0.99999948753,
+        38: 0.999999643821}),
+    "Z2": (lambda: optclip.zclip(max_grad_norm=None), {27: 1.27361708955, 38: 1.54600617554}),
+    "Z3": (lambda: optclip.zclip(max_grad_norm=None, mode="percentile"), {
+        27: 2.11084473715, 38: 2.13230036157}),
+    "Z4": (lambda: optclip.zclip(max_grad_norm=None, clip_option="mean"), {
+        27: 0.704986163287, 38: 0.701688521911}),
+    "Z5": (lambda: optclip.zclip(max_grad_norm=None, skip_update_on_spike=True), {
+        27: 1.27361708955, 38: 1.52884480415}),
+    "Z6": (lambda: optclip.zclip(max_grad_norm=None, clip_factor=0.7), {
+        27: 0.891531962683, 38: 1.06122959677}),
+    "Z7": (lambda: optclip.zclip(max_grad_norm=None, warmup_steps=20), {
+        24: 0.953807076125, 27: 0.833550637582, 33: 1.08963004159, 38: 0.888906767112}),
+    # §6.5 autoclip, global mode.
+    "Q": (lambda: optclip.quantile_clip(global_threshold=True), {
+        6: 0.556338837835, 10: 0.572077922936, 24: 0.580617699141, 27: 0.593097365994,
+        33: 0.602404269105, 38: 1.14337155106}),
+    "Q5": (lambda: optclip.quantile_clip(history_length=5, global_threshold=True), {
+        6: 0.556338837835, 10: 0.585620950297, 24: 0.548251275345, 27: 2.00828350755,
+        33: 0.556863105493, 38: 1.4020739557}),
+}
+# StandardClip global: every call from 3 on is clipped (A1); call 2 is NaN in the reference
+# (A2) and unchanged when fixed.
+_S = {3: 0.0267820753282, 4: 0.0434528046818, 5: 0.0487615464977, 6: 0.0434707248697,
+      7: 0.0706489809892, 8: 0.0650005253177, 9: 0.0617479113233, 10: 0.0584408309036,
+      24: 0.706377416217, 27: 1.14242019231, 33: 1.61221674275, 38: 1.55332261564}
+GLOBAL_COLUMNS["S ref"] = (
+    lambda: optclip.standard_clip(global_threshold=True, parity="reference"),
+    {2: math.nan, **_S})
+GLOBAL_COLUMNS["S"] = (lambda: optclip.standard_clip(global_threshold=True), {2: SAME, **_S})
+
+# §6.6 per-parameter columns: name -> (factory, {call: (‖a‖, ‖b‖)}).
+LOCAL_COLUMNS = {
+    "PHC": (lambda: optclip.param_hist_clip(), {
+        10: (0.999999513623, SAME), 24: (0.859965433064, SAME), 27: (1.10283526661, SAME),
+        33: (SAME, 0.303783022333), 38: (2.27636902146, 0.884417347947)}),
+    "Qloc": (lambda: optclip.quantile_clip(), {
+        5: (SAME, 0.214119877816), 6: (0.514404507159, 0.2205415827),
+        10: (0.530658507421, 0.23031774957), 17: (SAME, 0.244740737637),
+        24: (0.527673522586, SAME), 27: (0.542036221344, SAME), 28: (SAME, 0.244495579962),
+        30: (SAME, 0.247763188473), 33: (SAME, 0.250135968169), 36: (SAME, 0.253209307212),
+        38: (0.540479407338, 0.255185826101)}),
+}
+_SLOC = {
+    3: (0.0150142040423, 0.0341228216129), 4: (0.0338702386478, 0.0345468776597),
+    5: (0.0437900788734, 0.0286792054167), 6: (0.0421202108049, 0.0298215783148),
+    7: (0.0648081875235, 0.0379973009207), 8: (0.059307593783, 0.0364103329034),
+    9: (0.0585338491522, 0.0356261947839), 10: (0.0572090031549, 0.037663952582),
+    24: (0.651144067319, SAME), 27: (1.12801867231, SAME), 30: (SAME, 0.247139982847),
+    33: (SAME, 0.23575371991), 38: (1.50825784438, 0.582214521088)}
+LOCAL_COLUMNS["Sloc ref"] = (lambda: optclip.standard_clip(parity="reference"),
+                             {2: (math.nan, math.nan), **_SLOC})
+LOCAL_COLUMNS["Sloc"] = (lambda: optclip.standard_clip(), {2: (SAME, SAME), **_SLOC})
+
+
+def g_tree(rows, dtype):
+    rows = np.asarray(rows)
+    return {"a": jnp.asarray(rows[..., :2], dtype), "b": jnp.asarray(rows[..., 2:], dtype)}
+
+
+def run_scan(tx, grads):
+    """Run ``tx`` over the leading axis of ``grads`` (one update per call) in one jitted scan."""
+    first = jax.tree.map(lambda x: x[0], grads)
+
+    @jax.jit
+    def go(grads):
+        def step(state, g):
+            out, state = tx.update(g, state)
+            return state, out
+        return jax.lax.scan(step, tx.init(first), grads)
+
+    state, outs = go(grads)
+    return outs, state
+
+
+def run_loop(tx, seq, update=None):
+    update = update or tx.update
+    state = tx.init(seq[0])
+    outs = []
+    for g in seq:
+        out, state = update(g, state)
+        outs.append(out)
+    return outs, state
+
+
+def leaf_norms(tree):
+    return {k: np.sqrt(np.sum(np.asarray(v, np.float64) ** 2, axis=-1)) for k, v in tree.items()}
+
+
+def check_column(name, got, pre, table, rtol):
+    for t in range(1, len(got) + 1):
+        want = table.get(t, SAME)
+        if want is SAME:
+            assert got[t - 1] == pre[t - 1], (name, t, got[t - 1], pre[t - 1])
+        elif math.isnan(want):
+            assert math.isnan(got[t - 1]), (name, t, got[t - 1])
+        else:
+            np.testing.assert_allclose(got[t - 1], want, rtol=rtol, atol=1e-300,
+                                       err_msg=f"{name} call {t}")
+
+
+DTYPES = [pytest.param(jnp.float64, RTOL64, id="f64"), pytest.param(jnp.float32, RTOL32,
+                                                                     id="f32")]
+
+
+@pytest.mark.parametrize("dtype,rtol", DTYPES)
+@pytest.mark.parametrize("name", list(GLOBAL_COLUMNS))
+def test_spec_global_columns(name, dtype, rtol):
+    make, table = GLOBAL_COLUMNS[name]
+    if dtype == jnp.float32 and name.startswith(("Q", "S")):
+        rtol = RTOL32_AUTOCLIP
+    with enable_x64(dtype == jnp.float64):
+        grads = g_tree(G, dtype)
+        outs, _ = run_scan(make(), grads)
+        norm = lambda tree: np.sqrt(sum(v ** 2 for v in leaf_norms(tree).values()))
+        got, pre = norm(outs), norm(grads)
+        if dtype == jnp.float64:
+            for t, want in PRE.items():
+                np.testing.assert_allclose(pre[t - 1], want, rtol=RTOL64)
+        # "=" cells: the gradients themselves are unchanged.
+        unchanged = [t for t in range(1, 41) if table.get(t, SAME) is SAME]
+        for k in ("a", "b"):
+            np.testing.assert_array_equal(np.asarray(outs[k])[np.array(unchanged) - 1],
+                                          np.asarray(grads[k])[np.array(unchanged) - 1])
+        check_column(name, got, pre, table, rtol)
+
+
+@pytest.mark.parametrize("dtype,rtol", DTYPES)
+@pytest.mark.parametrize("name", list(LOCAL_COLUMNS))
+def test_spec_local_columns(name, dtype, rtol):
+    make, table = LOCAL_COLUMNS[name]
+    if dtype == jnp.float32 and name.startswith(("Q", "S")):
+        rtol = RTOL32_AUTOCLIP
+    with enable_x64(dtype == jnp.float64):
+        grads = g_tree(G, dtype)
+        outs, _ = run_scan(make(), grads)
+        got, pre = leaf_norms(outs), leaf_norms(grads)
+        for i, k in enumerate(("a", "b")):
+            column = {t: cells[i] for t, cells in table.items()}
+            check_column(f"{name} {k}", got[k], pre[k], column, rtol)
+
+
+# §6.7 internal checkpoints: (factory, calls run, field getter, expected).
+CHECKPOINTS = [
+    ("HC after 21", lambda: optclip.hist_clip(), 21,
+     lambda s: (s.criterion.mean, s.criterion.var), (0.627966117336, 0.139308001496)),
+    ("HC after 23", lambda: optclip.hist_clip(), 23,
+     lambda s: (s.criterion.mean, s.criterion.var), (0.6228668443698645, 0.13150370204622697)),
+    ("HC after 32", lambda: optclip.hist_clip(), 32,
+     lambda s: (s.criterion.mean, s.criterion.var), (0.75493501941843189, 0.55435512071042614)),
+    ("HC-EMA after 21", lambda: optclip.hist_clip(ema()), 21,
+     lambda s: (s.criterion.mean,), (0.6287830278573616,)),
+    ("HC-EMA after 23", lambda: optclip.hist_clip(ema()), 23,
+     lambda s: (s.criterion.mean,), (0.6253350776572671,)),
+    ("Z2 after 25", lambda: optclip.zclip(max_grad_norm=None), 25,
+     lambda s: (s.mean, s.var), (0.7100861385291458, 0.32516967586876694)),
+    ("Z2 after 26", lambda: optclip.zclip(max_grad_norm=None), 26,
+     lambda s: (s.mean, s.var), (0.70498633191294036, 0.31623028402924064)),
+    ("Z2 after 27", lambda: optclip.zclip(max_grad_norm=None), 27,
+     lambda s: (s.mean, s.var, s.threshold), (0.72204526378105038, 0.31587032995945685,
+                                              1.2736173941832742)),
+    ("Z2 after 32", lambda: optclip.zclip(max_grad_norm=None), 32,
+     lambda s: (s.mean, s.var), (0.69730585433289827, 0.274867075041693)),
+    ("Z7 after 20", lambda: optclip.zclip(max_grad_norm=None, warmup_steps=20), 20,
+     lambda s: (s.mean, s.var), (0.6304168489007209, 0.1362395966220858)),
+    ("Z7 after 33", lambda: optclip.zclip(max_grad_norm=None, warmup_steps=20), 33,
+     lambda s: (s.threshold,), (1.0896305999917657,)),
+]
+
+
+@pytest.mark.parametrize("name,make,calls,get,want", CHECKPOINTS, ids=[c[0] for c in CHECKPOINTS])
+def test_spec_checkpoints(name, make, calls, get, want):
+    with enable_x64(True):
+        _, state = run_scan(make(), g_tree(G[:calls], jnp.float64))
+        np.testing.assert_allclose(np.array(get(state), np.float64), want, rtol=1e-11)
+
+
+def test_spec_install_statistics():
+    """§6.7: the default HistClipper installs mean 0.6304..., unbiased variance 0.1434...."""
+    with enable_x64(True):
+        _, state = run_scan(optclip.hist_clip(), g_tree(G[:20], jnp.float64))
+        mean, var = history._warmup_statistics(state.warmup_norms, 20)
+        np.testing.assert_allclose([mean, var], [0.63041684890072092, 0.14341010170745874],
+                                   rtol=1e-13)
+        assert int(state.count) == 20
+
+
+# §6.8 edge cases: a single leaf [x, 0] plus a zero second leaf, so the global norm is x.
+EDGE = [
+    ("E1", lambda: optclip.hist_clip(warmup_transform=optax.identity(), warmup_steps=3),
+     [2, 2, 2, 2, 6, 6], [2, 2, 2, 2, 3.5156244294514356, 4.408820160686574]),
+    ("E2 ref", lambda: optclip.zclip(warmup_steps=3, max_grad_norm=None, parity="reference"),
+     [2, 2, 2, 2, 2.1, 6, 1.5, 2.0000001],
+     [2, 2, 2, 2, 1.999999047619501, 1.9999996666667221, 1.5, 2.0000001]),
+    ("E3 ref", lambda: optclip.hist_clip(ema(parity="reference"), warmup_steps=0,
+                                         parity="reference"),
+     [1, 1, 1, 1], [1, 0.02099997900002102, 0.04157995842004162, 0.06174833825166181]),
+    ("E4 ref zscore", lambda: optclip.zclip(warmup_steps=3, max_grad_norm=None,
+                                            parity="reference"),
+     [0, 0, 0, 1, 1, 1, 0.5], [0, 0, 0, 0, 0, 0, 0]),
+    ("E4 ref percentile", lambda: optclip.zclip(warmup_steps=3, max_grad_norm=None,
+                                                mode="percentile", parity="reference"),
+     [0, 0, 0, 1, 1, 1, 0.5], [0, 0, 0, 0, 0, 0, 0]),
+    ("E5", lambda: optclip.hist_clip(warmup_transform=optax.identity(), warmup_steps=1),
+     [1, 1, 9, 1], [1, 1, 1.7578123123819414, 1]),
+    ("E6 ref W=0", lambda: optclip.zclip(warmup_steps=0, max_grad_norm=None, parity="reference"),
+     [1, 1.5, 9], [1, 0.9999993333337779, 0.9999998888889013]),
+    ("E6 ref W=1", lambda: optclip.zclip(warmup_steps=1, max_grad_norm=None, parity="reference"),
+     [1, 1.5, 9], [1, 0.9999993333337779, 0.9999998888889013]),
+    ("E7 ref", lambda: optclip.standard_clip(global_threshold=True, parity="reference"),
+     [1, 1, 1, 1], [1, math.nan, 0, 0]),
+    ("E7", lambda: optclip.standard_clip(global_threshold=True), [1, 1, 1, 1], [1, 1, 0, 0]),
+    ("E9", lambda: optclip.quantile_clip(history_length=1, global_threshold=True),
+     [1, 2, 0.5, 3], [1, 0.99999950000025, 0.5, 0.4999998333333889]),
+    ("E10 q0", lambda: optclip.quantile_clip(0.0, global_threshold=True),
+     [1, 3, 5, 4], [1, 0.9999996666667778, 0.99999980000004, 0.9999997500000625]),
+    ("E10 q.5", lambda: optclip.quantile_clip(0.5, global_threshold=True),
+     [1, 3, 5, 4], [1, 0.9999996666667778, 1.99999960000008, 2.9999992500001875]),
+    ("E10 q1", lambda: optclip.quantile_clip(1.0, global_threshold=True),
+     [1, 3, 5, 4], [1, 0.9999996666667778, 2.99999940000012, 4]),
+    ("E13", lambda: optclip.quantile_clip(global_threshold=True),
+     [0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 0.6999993000007002, 0.9999990000010001]),
+    # D7 reproducer: a low-side detection (z = -9.138) changes nothing.
+    ("D7", lambda: optclip.hist_clip(warmup_transform=optax.identity(), warmup_steps=3),
+     [1, 1.1, 0.9, 1, 0.1], [1, 1.1, 0.9, 1, 0.1]),
+    # Fixed behaviour: with zero variance ZClip detects nothing until the variance grows (Z1).
+    ("E2 fixed", lambda: optclip.zclip(warmup_steps=3, max_grad_norm=None),
+     [2, 2, 2, 2, 2.1, 6, 1.5, 2.0000001], None),
+    ("E4 fixed", lambda: optclip.zclip(warmup_steps=3, max_grad_norm=None),
+     [0, 0, 0, 1, 1, 1, 0.5], None),
+]
+
+
+def edge_seq(xs, dtype):
+    return {"x": jnp.asarray([[x, 0.0] for x in xs], dtype),
+            "zero": jnp.zeros((len(xs), 3), dtype)}
+
+
+@pytest.mark.parametrize("name,make,inputs,want", EDGE, ids=[e[0] for e in EDGE])
+def test_spec_edge_cases(name, make, inputs, want):
+    with enable_x64(True):
+        outs, _ = run_scan(make(), edge_seq(inputs, jnp.float64))
+        got = np.asarray(outs["x"])[:, 0]
+        if want is None:
+            want = oracle(name, inputs)
+        np.testing.assert_allclose(got, want, rtol=1e-13, atol=0, equal_nan=True)
+
+
+def test_e3_reference_final_mean():
+    with enable_x64(True):
+        tx = optclip.hist_clip(ema(parity="reference"), warmup_steps=0, parity="reference")
+        _, state = run_scan(tx, edge_seq([1, 1, 1, 1], jnp.float64))
+        np.testing.assert_allclose(state.criterion.mean, 0.07763184, rtol=1e-7)
+
+
+def test_e3_fixed_starts_from_first_norm():
+    """D4 fixed: the EMA starts at the first norm instead of averaging in from 0."""
+    with enable_x64(True):
+        tx = optclip.hist_clip(ema(), warmup_steps=1, warmup_transform=optax.identity())
+        outs, state = run_scan(tx, edge_seq([0, 1, 1, 1], jnp.float64))
+        np.testing.assert_array_equal(np.asarray(outs["x"])[:, 0], [0, 1, 1, 1])
+        assert float(state.criterion.mean) == 1.0
+
+
+def test_e1_final_statistics():
+    with enable_x64(True):
+        tx = optclip.hist_clip(warmup_transform=optax.identity(), warmup_steps=3)
+        _, state = run_scan(tx, edge_seq([2, 2, 2, 2, 6, 6], jnp.float64))
+        np.testing.assert_allclose([state.criterion.mean, state.criterion.var],
+                                   [2.2364, 1.829905], rtol=1e-5)
+
+
+def test_e2_e6_reference_final_statistics():
+    with enable_x64(True):
+        tx = optclip.zclip(warmup_steps=3, max_grad_norm=None, parity="reference")
+        _, state = run_scan(tx, edge_seq([2, 2, 2, 2, 2.1, 6, 1.5, 2.0000001], jnp.float64))
+        np.testing.assert_allclose([state.mean, state.var], [1.985450003, 0.006851398659681284],
+                                   rtol=1e-9)
+        tx = optclip.zclip(warmup_steps=0, max_grad_norm=None, parity="reference")
+        _, state = run_scan(tx, edge_seq([1, 1.5, 9], jnp.float64))
+        assert (float(state.mean), float(state.var)) == (1.0, 0.0)
+
+
+def test_shared_state_reproducer_separate():
+    """§6.10: two default hist_clip instances used alternately behave like separate ones."""
+    with enable_x64(True):
+        first, second = optclip.hist_clip(), optclip.hist_clip()
+        seq = [g_tree(row, jnp.float64) for row in G]
+        s1, s2 = first.init(seq[0]), second.init(seq[0])
+        u1, u2 = jax.jit(first.update), jax.jit(second.update)
+        got = {}
+        for t, g in enumerate(seq, 1):
+            o1, s1 = u1(g, s1)
+            o2, s2 = u2(jax.tree.map(lambda x: 10 * x, g), s2)
+            got[t] = (float(optax.tree.norm(o1)), float(optax.tree.norm(o2)))
+        np.testing.assert_allclose(got[24], (0.971239679509, 9.71239963982), rtol=RTOL64)
+        np.testing.assert_allclose(got[27], (1.18221848549, 11.822187315), rtol=RTOL64)
+
+
+# ---------------------------------------------------------------------------------------------
+# An independent scalar oracle, written from the spec's formulas (Python floats, one call at a
+# time), for random sequences with spikes.
+
+def tclip(c, n):
+    return min(1.0, c / (n + 1e-6))
+
+
+CLIP_FNS = {"max": lambda z, t: t, "mean": lambda z, t: 0.0, "recip": lambda z, t: t * t / z}
+
+
+def oracle_hist(ns, crit="zscore", fn="recip", steps=20, alpha=0.97, thr=2.5, warm=1.0,
+                feedback="raw", parity="fixed"):
+    """drytorch HistClipper (§2.4, §2.5, §2.7) on norms ``ns``; returns the scale per call."""
+    f = CLIP_FNS[fn]
+    mu, v, buf, count, out = 0.0, 1.0, [], 0, []
+    for n in ns:
+        if not math.isfinite(n):
+            out.append(None)
+            continue
+        if count < steps:
+            buf.append(n)
+            count += 1
+            out.append(tclip(warm, n) if warm else 1.0)
+            continue
+        if count == steps:
+            mu = sum(buf) / steps if steps else 0.0
+            var = sum((x - mu) ** 2 for x in buf) / (steps - 1) if steps > 1 else 1.0
+            if var > 0:
+                v = var
+            count += 1
+        if crit == "zscore":
+            z = (n - mu) / (math.sqrt(v) + 1e-8)
+            should = mu != 0 and abs(z) > thr
+            c = mu + f(abs(z), thr) * math.sqrt(v) if should else n
+        else:
+            should = mu != 0 and n / mu > thr
+            ratio = 1.0 if (fn == "mean" and parity == "fixed") else (
+                f(n / mu, thr) if mu != 0 else 0.0)
+            c = mu * ratio if mu != 0 else n
+        out.append(tclip(c, n) if should else 1.0)
+        x = c if (feedback == "clip_value" and should) else n
+        if crit == "zscore":
+            v = alpha * v + (1 - alpha) * (x - mu) ** 2
+            mu = alpha * mu + (1 - alpha) * x
+        else:
+            mu = x if (parity == "fixed" and mu == 0) else alpha * mu + (1 - alpha) * x
+    return out
+
+
+def oracle_zclip(ns, alpha=0.97, z_thresh=2.5, cap=1.0, eps=1e-6, warmup=25, mode="zscore",
+                 option="adaptive_scaling", factor=1.0, skip=False, parity="fixed"):
+    """zclip ZClip.step (§3.3) on norms ``ns``; returns the scale per call."""
+    buf, init, mean, var, out = [], False, None, None, []
+    for n in ns:
+        if not math.isfinite(n):
+            out.append(None)
+            continue
+        if not init:
+            buf.append(n)
+            if len(buf) >= max(warmup, 1):
+                mean = sum(buf) / len(buf)
+                var = sum((x - mean) ** 2 for x in buf) / len(buf)
+                init, buf = True, []
+            out.append(tclip(cap, n) if cap is not None else 1.0)
+            continue
+        std = math.sqrt(var)
+        if mode == "percentile":
+            thr = mean + z_thresh * std
+            spike = n > thr
+        else:
+            z = (n - mean) / (std + eps)
+            spike = z > z_thresh
+        if parity == "fixed" and std == 0:
+            spike = False
+        if spike and mode == "zscore":
+            thr = mean if option == "mean" else factor * (mean + z_thresh * std / (z / z_thresh))
+        adaptive = thr if spike else n
+        eff = adaptive if cap is None else min(adaptive, cap)
+        out.append(eff / (n + 1e-6) if n > eff else 1.0)
+        if not (spike and skip):
+            x = thr if spike else n
+            mean = alpha * mean + (1 - alpha) * x
+            var = alpha * var + (1 - alpha) * (x - mean) ** 2
+    return out
+
+
+def oracle_autoclip(ns, kind="quantile", q=0.9, dev=2.0, length=1000, add_mean=False,
+                    parity="fixed"):
+    """autoclip QuantileClip/StandardClip step (§5.4, §5.5) on norms ``ns``; scales per call."""
+    hist, out = [], []
+    for n in ns:
+        if not math.isfinite(n):
+            out.append(None)
+            continue
+        if not hist:
+            c = math.inf
+        elif kind == "quantile":
+            c = float(np.quantile(np.array(hist), q))
+        elif len(hist) == 1:
+            c = math.nan if parity == "reference" else math.inf
+        else:
+            c = dev * float(np.std(hist, ddof=1)) + (float(np.mean(hist)) if add_mean else 0.0)
+        out.append(tclip(c, n))
+        hist = (hist + [n])[-length:]
+    return out
+
+
+def oracle(name, inputs):
+    if name in ("E2 fixed", "E4 fixed"):
+        scales = oracle_zclip(inputs, cap=None, warmup=3)
+        return [x * s for x, s in zip(inputs, scales, strict=True)]
+    raise KeyError(name)
+
+
+def spiky_norms(rng, length, spikes):
+    ns = 1.0 + 0.1 * rng.standard_normal(length)
+    ns[spikes] *= rng.uniform(5, 20, len(spikes))
+    return ns
+
+
+def grads_with_norms(rng, ns, leaves=2):
+    """Random directions with the given global norms (tree {'w': (T, 3, 2), 'b': (T, 4)})."""
+    w = rng.standard_normal((len(ns), 3, 2))
+    b = rng.standard_normal((len(ns), 4))
+    total = np.sqrt((w ** 2).sum((1, 2)) + (b ** 2).sum(1))
+    k = np.asarray(ns) / total
+    return {"w": w * k[:, None, None], "b": b * k[:, None]}
+
+
+ORACLE_CASES = [
+    ("hist zscore/recip", lambda: optclip.hist_clip(warmup_steps=8),
+     lambda ns: oracle_hist(ns, steps=8)),
+    ("hist zscore/max clip_value", lambda: optclip.hist_clip(
+        zs(0.9, 2.0, mx), warmup_steps=5, feedback="clip_value"),
+     lambda ns: oracle_hist(ns, fn="max", steps=5, alpha=0.9, thr=2.0, feedback="clip_value")),
+    ("hist zscore/mean identity", lambda: optclip.hist_clip(
+        zs(clip_fn=mn), optax.identity(), 6),
+     lambda ns: oracle_hist(ns, fn="mean", steps=6, warm=None)),
+    ("hist ema/max", lambda: optclip.hist_clip(ema(), warmup_steps=4),
+     lambda ns: oracle_hist(ns, "ema", "max", 4, 0.98, 1.05)),
+    ("hist ema/mean fixed", lambda: optclip.hist_clip(ema(0.9, 1.5, mn), warmup_steps=4),
+     lambda ns: oracle_hist(ns, "ema", "mean", 4, 0.9, 1.5)),
+    ("hist ema/recip", lambda: optclip.hist_clip(ema(0.9, 1.2, rc), warmup_steps=3),
+     lambda ns: oracle_hist(ns, "ema", "recip", 3, 0.9, 1.2)),
+    ("zclip default", lambda: optclip.zclip(warmup_steps=6),
+     lambda ns: oracle_zclip(ns, warmup=6)),
+    ("zclip nocap", lambda: optclip.zclip(max_grad_norm=None, warmup_steps=6),
+     lambda ns: oracle_zclip(ns, cap=None, warmup=6)),
+    ("zclip percentile", lambda: optclip.zclip(0.9, 2.0, 5.0, warmup_steps=5,
+                                               mode="Percentile"),
+     lambda ns: oracle_zclip(ns, 0.9, 2.0, 5.0, warmup=5, mode="percentile")),
+    ("zclip mean skip", lambda: optclip.zclip(max_grad_norm=3.0, warmup_steps=5,
+                                              clip_option="MEAN", skip_update_on_spike=True),
+     lambda ns: oracle_zclip(ns, cap=3.0, warmup=5, option="mean", skip=True)),
+    ("zclip factor eps", lambda: optclip.zclip(max_grad_norm=None, eps=0.1, warmup_steps=4,
+                                               clip_factor=0.8),
+     lambda ns: oracle_zclip(ns, cap=None, eps=0.1, warmup=4, factor=0.8)),
+    ("quantile L7", lambda: optclip.quantile_clip(0.7, 7, True),
+     lambda ns: oracle_autoclip(ns, q=0.7, length=7)),
+    ("quantile L50", lambda: optclip.quantile_clip(0.25, 50, True),
+     lambda ns: oracle_autoclip(ns, q=0.25, length=50)),
+    ("standard L6", lambda: optclip.standard_clip(1.5, 6, True),
+     lambda ns: oracle_autoclip(ns, "std", dev=1.5, length=6)),
+    ("standard add_mean", lambda: optclip.standard_clip(3.0, 10, True, add_mean=True),
+     lambda ns: oracle_autoclip(ns, "std", dev=3.0, length=10, add_mean=True)),
+]
+
+
+@pytest.mark.parametrize("name,make,expect", ORACLE_CASES, ids=[c[0] for c in ORACLE_CASES])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_against_oracle(name, make, expect, seed):
+    rng = np.random.default_rng(seed)
+    ns = spiky_norms(rng, 60, rng.choice(np.arange(10, 60), 6, replace=False))
+    grads = grads_with_norms(rng, ns)
+    with enable_x64(True):
+        outs, _ = run_scan(make(), jax.tree.map(jnp.asarray, grads))
+        scales = expect(list(ns))
+        for k in grads:
+            want = grads[k] * np.reshape(scales, (-1,) + (1,) * (grads[k].ndim - 1))
+            np.testing.assert_allclose(outs[k], want, rtol=1e-12, atol=1e-15, err_msg=name)
+
+
+PER_LEAF_ORACLE = [
+    ("param_hist zscore", lambda: optclip.param_hist_clip(warmup_steps=6),
+     lambda ns: oracle_hist(ns, steps=6)),
+    ("param_hist ema", lambda: optclip.param_hist_clip(ema(0.95, 1.3), warmup_steps=4),
+     lambda ns: oracle_hist(ns, "ema", "max", 4, 0.95, 1.3)),
+    ("quantile local", lambda: optclip.quantile_clip(0.8, 9),
+     lambda ns: oracle_autoclip(ns, q=0.8, length=9)),
+    ("standard local", lambda: optclip.standard_clip(2.0, 8),
+     lambda ns: oracle_autoclip(ns, "std", dev=2.0, length=8)),
+]
+
+
+@pytest.mark.parametrize("name,make,expect", PER_LEAF_ORACLE, ids=[c[0] for c in PER_LEAF_ORACLE])
+def test_per_leaf_against_oracle(name, make, expect):
+    rng = np.random.default_rng(3)
+    grads = {"w": rng.standard_normal((50, 3, 2)), "b": rng.standard_normal((50, 4)),
+             "count": np.zeros((50, 2), np.int32)}
+    grads["w"][[12, 30, 41]] *= 15
+    grads["b"][[20, 30, 44]] *= 12
+    with enable_x64(True):
+        outs, state = run_scan(make(), jax.tree.map(jnp.asarray, grads))
+        np.testing.assert_array_equal(outs["count"], grads["count"])
+        for k in ("w", "b"):
+            ns = np.sqrt((grads[k] ** 2).reshape(50, -1).sum(1))
+            scales = np.asarray(expect(list(ns)))
+            want = grads[k] * scales.reshape((-1,) + (1,) * (grads[k].ndim - 1))
+            np.testing.assert_allclose(outs[k], want, rtol=1e-12, atol=1e-15, err_msg=k)
+        assert state.norm["count"] is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Behaviour across the family.
+
+FAMILY = {
+    "hist_clip": lambda: optclip.hist_clip(warmup_steps=5),
+    "hist_clip stateful warm-up": lambda: optclip.hist_clip(
+        warmup_transform=optax.chain(optclip.clip_by_global_norm(1.0), optax.scale_by_adam()),
+        warmup_steps=5),
+    "param_hist_clip": lambda: optclip.param_hist_clip(ema(), warmup_steps=5),
+    "param_hist_clip stateful warm-up": lambda: optclip.param_hist_clip(
+        warmup_transform=optax.scale_by_rms(), warmup_steps=5),
+    "zclip": lambda: optclip.zclip(max_grad_norm=None, warmup_steps=5),
+    "zclip capped": lambda: optclip.zclip(warmup_steps=5, max_grad_norm=2.0),
+    "quantile_clip global": lambda: optclip.quantile_clip(history_length=6,
+                                                          global_threshold=True),
+    "quantile_clip local": lambda: optclip.quantile_clip(history_length=6),
+    "standard_clip": lambda: optclip.standard_clip(history_length=6, add_mean=True),
+    "standard_clip local": lambda: optclip.standard_clip(history_length=6),
+}
+DEFAULTS = [optclip.hist_clip, optclip.param_hist_clip, optclip.zclip, optclip.quantile_clip,
+            optclip.standard_clip]
+
+
+def family_seq(rng, length=16):
+    ns = spiky_norms(rng, length, [9, 13])
+    return [jax.tree.map(jnp.asarray, dict(g)) for g in _rows(grads_with_norms(rng, ns))]
+
+
+def _rows(tree):
+    length = len(next(iter(tree.values())))
+    return [{k: v[t] for k, v in tree.items()} for t in range(length)]
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+@pytest.mark.parametrize("name", list(FAMILY))
+def test_nonfinite_step_is_skipped(name, bad):
+    """A NaN/inf step leaves the state as it was: later outputs equal the run without it."""
+    rng = np.random.default_rng(7)
+    seq = family_seq(rng)
+    poisoned = jax.tree.map(lambda x: x.at[0].set(bad), seq[7])
+    tx = FAMILY[name]()
+    update = jax.jit(tx.update)
+    clean_outs, clean_state = run_loop(tx, seq, update)
+    outs, state = run_loop(tx, seq[:7] + [poisoned] + seq[7:], update)
+    for got, want in zip(outs[8:], clean_outs[7:], strict=True):
+        chex.assert_trees_all_equal(got, want)
+    assert int(state.nonfinite) == 1
+    diag = ("norm", "threshold", "scale", "clipped", "nonfinite")
+    chex.assert_trees_all_equal(
+        {k: v for k, v in state._asdict().items() if k not in diag},
+        {k: v for k, v in clean_state._asdict().items() if k not in diag})
+    assert optclip.stats(state)
+
+
+@pytest.mark.parametrize("make", DEFAULTS, ids=lambda f: f.__name__)
+def test_default_instances_share_no_state(make):
+    """Two instances built with defaults, used alternately, behave like separate ones (D1)."""
+    rng = np.random.default_rng(11)
+    seq = family_seq(rng, 30)
+    big = [jax.tree.map(lambda x: 10 * x, g) for g in seq]
+    first, second = make(), make()
+    alone1, _ = run_loop(make(), seq)
+    alone2, _ = run_loop(make(), big)
+    s1, s2 = first.init(seq[0]), second.init(seq[0])
+    for t, (g, h) in enumerate(zip(seq, big, strict=True)):
+        o1, s1 = first.update(g, s1)
+        o2, s2 = second.update(h, s2)
+        chex.assert_trees_all_equal(o1, alone1[t])
+        chex.assert_trees_all_equal(o2, alone2[t])
+
+
+def test_default_criterion_is_fresh():
+    assert optclip.zscore_criterion() == optclip.zscore_criterion() or True  # immutable values
+    crit = optclip.zscore_criterion()
+    with pytest.raises(dataclasses_frozen_error()):
+        crit.name = "x"
+
+
+def dataclasses_frozen_error():
+    import dataclasses
+    return dataclasses.FrozenInstanceError
+
+
+@pytest.mark.parametrize("name", list(FAMILY))
+def test_jit_equals_eager_and_checkpoint(name, tmp_path):
+    rng = np.random.default_rng(5)
+    seq = family_seq(rng)
+    tx = FAMILY[name]()
+    eager, _ = run_loop(tx, seq)
+    jitted, _ = run_loop(tx, seq, jax.jit(tx.update))
+    chex.assert_trees_all_close(eager, jitted, rtol=1e-6, atol=1e-7)
+    # Checkpoint after 8 calls, restore into a fresh init, continue identically.
+    update = jax.jit(tx.update)
+    _, state = run_loop(tx, seq[:8], update)
+    blob = flax.serialization.to_bytes(state)
+    restored = flax.serialization.from_bytes(tx.init(seq[0]), blob)
+    chex.assert_trees_all_equal(restored, state)
+    for g in seq[8:]:
+        o1, state = update(g, state)
+        o2, restored = update(g, restored)
+        chex.assert_trees_all_equal(o1, o2)
+
+
+@pytest.mark.parametrize("name", ["hist_clip", "param_hist_clip", "zclip", "quantile_clip local"])
+def test_chain_with_adam_in_jitted_step(name):
+    tx = optax.chain(FAMILY[name](), optax.adam(1e-2))
+    params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(4)}
+    loss = lambda p, x: jnp.sum((p["w"] @ x[:2] - 1.0) ** 2) + jnp.sum(p["b"] ** 2) * x[2]
+
+    @jax.jit
+    def step(params, state, x):
+        grads = jax.grad(loss)(params, x)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    state = tx.init(params)
+    for i in range(12):
+        params, state = step(params, state, jnp.array([1.0, 2.0, 1.0]) * (1 + (i == 8) * 20))
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
+    assert optclip.stats(state)
+
+
+def test_spiky_sequence_cuts_spikes_leaves_ordinary_steps():
+    """zclip and hist_clip cut spikes on a synthetic spiky norm sequence; other steps untouched."""
+    rng = np.random.default_rng(0)
+    length, spikes = 120, [40, 55, 71, 90, 104]
+    ns = 1.0 + 0.05 * rng.standard_normal(length)
+    ns[spikes] = [8.0, 12.0, 6.0, 20.0, 9.0]
+    grads = jax.tree.map(jnp.asarray, grads_with_norms(rng, ns))
+    for tx in (optclip.zclip(max_grad_norm=None), optclip.hist_clip()):
+        outs, state = run_scan(tx, grads)
+        out_norms = np.sqrt(np.asarray(outs["w"] ** 2).sum((1, 2))
+                            + np.asarray(outs["b"] ** 2).sum(1))
+        ordinary = np.setdiff1d(np.arange(30, length), spikes)
+        np.testing.assert_array_equal(out_norms[ordinary], np.asarray(
+            np.sqrt((grads["w"] ** 2).sum((1, 2)) + (grads["b"] ** 2).sum(1)))[ordinary])
+        assert np.all(out_norms[spikes] < 1.5), out_norms[spikes]
+        assert int(state.spikes) == len(spikes)
+
+
+@given(st.lists(st.floats(0.05, 50.0), min_size=24, max_size=24),
+       st.sampled_from(["zscore/recip", "zscore/max", "ema/max", "ema/recip"]))
+def test_property_threshold_not_below_mean(ns, kind):
+    """After the warm-up a clipped call keeps at least the running mean (clip value >= mean)."""
+    crit = {"zscore/recip": zs(), "zscore/max": zs(clip_fn=mx), "ema/max": ema(),
+            "ema/recip": ema(clip_fn=rc)}[kind]
+    tx = optclip.hist_clip(crit, optax.identity(), warmup_steps=4)
+    outs, means, pre = _hist_trace(tx, ns)
+    for t in range(4, 24):
+        if kind == "ema/recip":  # r**2 * mu**2 / n: at least mu**2 / n * r**2 (spec §2.3)
+            floor = 1.05 ** 2 * means[t] ** 2 / pre[t]
+        else:
+            floor = means[t]
+        assert outs[t] >= min(pre[t], floor) * (1 - 1e-5) - 1e-6
+
+
+@given(st.lists(st.floats(0.05, 50.0), min_size=24, max_size=24))
+def test_property_warmup_only_warmup_transform(ns):
+    """During warm-up nothing but the warm-up transform acts."""
+    for tx, warm in ((optclip.hist_clip(warmup_transform=optax.identity(), warmup_steps=10),
+                      lambda n: n),
+                     (optclip.hist_clip(warmup_steps=10), lambda n: n * tclip(1.0, n)),
+                     (optclip.zclip(warmup_steps=10, max_grad_norm=None), lambda n: n),
+                     (optclip.zclip(warmup_steps=10, max_grad_norm=2.0),
+                      lambda n: n * tclip(2.0, n))):
+        outs, _, pre = _hist_trace(tx, ns)
+        np.testing.assert_allclose(outs[:10], [warm(n) for n in pre[:10]], rtol=1e-5)
+
+
+@given(st.lists(st.floats(0.05, 50.0), min_size=24, max_size=24))
+def test_property_zclip_threshold(ns):
+    """ZClip (adaptive scaling, cap None): a clipped call keeps at least the EMA mean."""
+    tx = optclip.zclip(max_grad_norm=None, warmup_steps=4)
+    outs, means, pre = _hist_trace(tx, ns, mean_of=lambda s: s.mean)
+    for t in range(4, 24):
+        assert outs[t] >= min(pre[t], means[t]) * (1 - 1e-5) - 1e-6
+        assert outs[t] <= pre[t] * (1 + 1e-6)
+
+
+_TRACE_CACHE: dict = {}
+
+
+def _hist_trace(tx, ns, mean_of=None):
+    """Output norms, criterion mean before each call, and input norms for norms ``ns``."""
+    mean_of = mean_of or (lambda s: s.criterion.mean)
+    grads = {"w": jnp.asarray(np.asarray(ns, np.float32)[:, None] * np.array([0.6, 0.8],
+                                                                           np.float32))}
+
+    def step(state, g):
+        mean = mean_of(state)
+        out, state = tx.update(g, state)
+        return state, (jnp.sqrt(jnp.sum(out["w"] ** 2)), mean, jnp.sqrt(jnp.sum(g["w"] ** 2)))
+
+    _, (outs, means, pre) = jax.jit(lambda gs: jax.lax.scan(
+        step, tx.init({"w": gs["w"][0]}), gs))(grads)
+    return np.asarray(outs), np.asarray(means), np.asarray(pre)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_low_precision_norm_accumulates_wide(dtype):
+    """D9/Z7: a float16 gradient [300, 0] has norm 300, not inf; statistics stay float32."""
+    g = {"w": jnp.array([300.0, 0.0], dtype), "v": jnp.array([1.0], jnp.float32)}
+    for tx in (optclip.hist_clip(), optclip.zclip(), optclip.param_hist_clip(),
+               optclip.quantile_clip(global_threshold=True)):
+        out, state = tx.update(g, tx.init(g))
+        norm = state.norm if not isinstance(state.norm, dict) else state.norm["w"]
+        assert norm.dtype == jnp.float32
+        np.testing.assert_allclose(float(norm), math.sqrt(300.0 ** 2 + (
+            1.0 if not isinstance(state.norm, dict) else 0.0)), rtol=1e-3)
+        assert out["w"].dtype == dtype
+
+
+def test_empty_and_odd_trees():
+    trees = [{}, {"a": None, "m": optax.MaskedNode(), "i": jnp.arange(3),
+                  "s": jnp.float32(2.0), "z": jnp.zeros((0, 3))}]
+    for make in DEFAULTS:
+        for tree in trees:
+            tx = make()
+            state = tx.init(tree)
+            out, state = jax.jit(tx.update)(tree, state)
+            chex.assert_trees_all_equal(out, tree)
+
+
+def test_stats_keys():
+    g = {"w": jnp.ones((2, 2))}
+    for make, name in [(optclip.hist_clip, "hist_clip"), (optclip.zclip, "zclip"),
+                       (optclip.param_hist_clip, "param_hist_clip"),
+                       (optclip.quantile_clip, "quantile_clip"),
+                       (optclip.standard_clip, "standard_clip")]:
+        tx = make()
+        _, state = tx.update(g, tx.init(g))
+        s = optclip.stats(state)
+        assert {f"{name}/norm", f"{name}/clipped", f"{name}/nonfinite"} <= set(s), s
+
+
+BAD_ARGS = [
+    (optclip.ema_criterion, {"alpha": 1.5}, "alpha"),
+    (optclip.ema_criterion, {"r_thresh": 0.0}, "r_thresh"),
+    (optclip.ema_criterion, {"clip_fn": 3}, "clip_fn"),
+    (optclip.ema_criterion, {"parity": "torch"}, "parity"),
+    (optclip.zscore_criterion, {"z_thresh": -1.0}, "z_thresh"),
+    (optclip.hist_clip, {"warmup_steps": 0}, "warmup_steps"),
+    (optclip.hist_clip, {"warmup_steps": 2.5}, "warmup_steps"),
+    (optclip.hist_clip, {"criterion": "zscore"}, "criterion"),
+    (optclip.hist_clip, {"warmup_transform": lambda g: g}, "warmup_transform"),
+    (optclip.hist_clip, {"feedback": "clipped"}, "feedback"),
+    (optclip.param_hist_clip, {"warmup_steps": -1, "parity": "reference"}, "warmup_steps"),
+    (optclip.zclip, {"warmup_steps": 1}, "warmup_steps"),
+    (optclip.zclip, {"mode": "quantile"}, "mode"),
+    (optclip.zclip, {"clip_option": "median"}, "clip_option"),
+    (optclip.zclip, {"max_grad_norm": 0.0}, "max_grad_norm"),
+    (optclip.zclip, {"clip_factor": -1.0}, "clip_factor"),
+    (optclip.zclip, {"eps": -1.0}, "eps"),
+    (optclip.zclip, {"skip_update_on_spike": 1}, "skip_update_on_spike"),
+    (optclip.quantile_clip, {"quantile": 1.5}, "quantile"),
+    (optclip.quantile_clip, {"history_length": 0}, "history_length"),
+    (optclip.standard_clip, {"deviations": -1.0}, "deviations"),
+    (optclip.standard_clip, {"history_length": 2.0}, "history_length"),
+]
+
+
+@pytest.mark.parametrize("make,kwargs,name", BAD_ARGS,
+                         ids=[f"{m.__name__}-{n}" for m, _, n in BAD_ARGS])
+def test_bad_arguments(make, kwargs, name):
+    with pytest.raises((ValueError, TypeError), match=name):
+        make(**kwargs)
+
+
+def test_clip_functions():
+    z = jnp.array([1.0, 4.0, 10.0])
+    np.testing.assert_array_equal(optclip.max_clipping(z, 2.5), [2.5, 2.5, 2.5])
+    np.testing.assert_array_equal(optclip.mean_clipping(z, 2.5), [0.0, 0.0, 0.0])
+    np.testing.assert_allclose(optclip.reciprocal_clipping(z, 2.5), [6.25, 1.5625, 0.625])
+
+
+def test_ema_mean_clipping_fixed_clips_to_mean():
+    """D5 fixed: ema_criterion + mean_clipping clips to the mean instead of zeroing."""
+    crit = ema(clip_fn=mn)
+    state = crit.set_statistics(crit.init(jnp.float32), jnp.float32(2.0), 1.0)
+    assert float(crit.clip_value(state, 5.0)) == 2.0
+    ref = ema(clip_fn=mn, parity="reference")
+    assert float(ref.clip_value(state, 5.0)) == 0.0
