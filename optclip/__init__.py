@@ -36,6 +36,7 @@ from optclip.history import (
     zclip,
     zscore_criterion,
 )
+
 # family: lp_space (issue 5)
 
 __version__ = "0.1.0"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import chex
@@ -14,10 +16,10 @@ import optax
 import pytest
 from hypothesis import given
 
-enable_x64 = jax.enable_x64
-
 import optclip
 from optclip import history
+
+enable_x64 = jax.enable_x64
 
 # ---------------------------------------------------------------------------------------------
 # §6.1 input: 40 calls, parameters a (2) and b (2).
@@ -130,19 +132,39 @@ def g_tree(rows, dtype):
     return {"a": jnp.asarray(rows[..., :2], dtype), "b": jnp.asarray(rows[..., 2:], dtype)}
 
 
-def run_scan(tx, grads):
-    """Run ``tx`` over the leading axis of ``grads`` (one update per call) in one jitted scan."""
-    first = jax.tree.map(lambda x: x[0], grads)
+@functools.cache
+def scanner(makes: tuple):
+    """One jitted scan running the transforms built by ``makes`` side by side (cached).
+
+    Returns ``go(grads) -> (outputs per transform, states per transform and call)``.
+    """
+    txs = [make() for make in makes]
 
     @jax.jit
     def go(grads):
-        def step(state, g):
-            out, state = tx.update(g, state)
-            return state, out
-        return jax.lax.scan(step, tx.init(first), grads)
+        first = jax.tree.map(lambda x: x[0], grads)
 
-    state, outs = go(grads)
-    return outs, state
+        def step(states, g):
+            outs, new = zip(*(tx.update(g, s) for tx, s in zip(txs, states, strict=True)),
+                            strict=True)
+            return new, (outs, new)
+
+        _, (outs, states) = jax.lax.scan(step, tuple(tx.init(first) for tx in txs), grads)
+        return outs, states
+
+    return go
+
+
+def run_scan(make, grads):
+    """Outputs of every call and the final state of ``make()`` run over ``grads``' leading axis."""
+    outs, states = scanner((make,))(grads)
+    return outs[0], jax.tree.map(lambda x: x[-1], states[0])
+
+
+def rows(tree):
+    """The calls of a stacked tree, one tree per call."""
+    length = len(jax.tree.leaves(tree)[0])
+    return [jax.tree.map(lambda x, t=t: x[t], tree) for t in range(length)]
 
 
 def run_loop(tx, seq, update=None):
@@ -171,90 +193,90 @@ def check_column(name, got, pre, table, rtol):
                                        err_msg=f"{name} call {t}")
 
 
-DTYPES = [pytest.param(jnp.float64, RTOL64, id="f64"), pytest.param(jnp.float32, RTOL32,
-                                                                     id="f32")]
+DTYPES = [pytest.param(jnp.float64, id="f64"), pytest.param(jnp.float32, id="f32")]
 
 
-@pytest.mark.parametrize("dtype,rtol", DTYPES)
+def column_tolerance(name, dtype):
+    if dtype == jnp.float64:
+        return RTOL64
+    return RTOL32_AUTOCLIP if name.startswith(("Q", "S")) else RTOL32
+
+
+@functools.cache
+def run_columns(table_id: str, dtype):
+    """Run every column of a §6 table over G in one scan; returns (inputs, outputs, states)."""
+    table = {"global": GLOBAL_COLUMNS, "local": LOCAL_COLUMNS}[table_id]
+    with enable_x64(dtype == jnp.float64):
+        grads = g_tree(G, dtype)
+        outs, states = scanner(tuple(make for make, _ in table.values()))(grads)
+        return grads, dict(zip(table, outs, strict=True)), dict(zip(table, states, strict=True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", list(GLOBAL_COLUMNS))
-def test_spec_global_columns(name, dtype, rtol):
-    make, table = GLOBAL_COLUMNS[name]
-    if dtype == jnp.float32 and name.startswith(("Q", "S")):
-        rtol = RTOL32_AUTOCLIP
-    with enable_x64(dtype == jnp.float64):
-        grads = g_tree(G, dtype)
-        outs, _ = run_scan(make(), grads)
-        norm = lambda tree: np.sqrt(sum(v ** 2 for v in leaf_norms(tree).values()))
-        got, pre = norm(outs), norm(grads)
-        if dtype == jnp.float64:
-            for t, want in PRE.items():
-                np.testing.assert_allclose(pre[t - 1], want, rtol=RTOL64)
-        # "=" cells: the gradients themselves are unchanged.
-        unchanged = [t for t in range(1, 41) if table.get(t, SAME) is SAME]
-        for k in ("a", "b"):
-            np.testing.assert_array_equal(np.asarray(outs[k])[np.array(unchanged) - 1],
-                                          np.asarray(grads[k])[np.array(unchanged) - 1])
-        check_column(name, got, pre, table, rtol)
+def test_spec_global_columns(name, dtype):
+    grads, outs, _ = run_columns("global", dtype)
+    outs, table = outs[name], GLOBAL_COLUMNS[name][1]
+    norm = lambda tree: np.sqrt(sum(v ** 2 for v in leaf_norms(tree).values()))
+    got, pre = norm(outs), norm(grads)
+    if dtype == jnp.float64:
+        for t, want in PRE.items():
+            np.testing.assert_allclose(pre[t - 1], want, rtol=RTOL64)
+    # "=" cells and unlisted calls: the gradients themselves are unchanged.
+    unchanged = np.array([t for t in range(1, 41) if table.get(t, SAME) is SAME]) - 1
+    for k in ("a", "b"):
+        np.testing.assert_array_equal(np.asarray(outs[k])[unchanged],
+                                      np.asarray(grads[k])[unchanged])
+    check_column(name, got, pre, table, column_tolerance(name, dtype))
 
 
-@pytest.mark.parametrize("dtype,rtol", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", list(LOCAL_COLUMNS))
-def test_spec_local_columns(name, dtype, rtol):
-    make, table = LOCAL_COLUMNS[name]
-    if dtype == jnp.float32 and name.startswith(("Q", "S")):
-        rtol = RTOL32_AUTOCLIP
-    with enable_x64(dtype == jnp.float64):
-        grads = g_tree(G, dtype)
-        outs, _ = run_scan(make(), grads)
-        got, pre = leaf_norms(outs), leaf_norms(grads)
-        for i, k in enumerate(("a", "b")):
-            column = {t: cells[i] for t, cells in table.items()}
-            check_column(f"{name} {k}", got[k], pre[k], column, rtol)
+def test_spec_local_columns(name, dtype):
+    grads, outs, _ = run_columns("local", dtype)
+    got, pre = leaf_norms(outs[name]), leaf_norms(grads)
+    for i, k in enumerate(("a", "b")):
+        column = {t: cells[i] for t, cells in LOCAL_COLUMNS[name][1].items()}
+        check_column(f"{name} {k}", got[k], pre[k], column, column_tolerance(name, dtype))
 
 
-# §6.7 internal checkpoints: (factory, calls run, field getter, expected).
+# §6.7 internal checkpoints: (column, state after call, field getter, expected).
 CHECKPOINTS = [
-    ("HC after 21", lambda: optclip.hist_clip(), 21,
-     lambda s: (s.criterion.mean, s.criterion.var), (0.627966117336, 0.139308001496)),
-    ("HC after 23", lambda: optclip.hist_clip(), 23,
-     lambda s: (s.criterion.mean, s.criterion.var), (0.6228668443698645, 0.13150370204622697)),
-    ("HC after 32", lambda: optclip.hist_clip(), 32,
-     lambda s: (s.criterion.mean, s.criterion.var), (0.75493501941843189, 0.55435512071042614)),
-    ("HC-EMA after 21", lambda: optclip.hist_clip(ema()), 21,
-     lambda s: (s.criterion.mean,), (0.6287830278573616,)),
-    ("HC-EMA after 23", lambda: optclip.hist_clip(ema()), 23,
-     lambda s: (s.criterion.mean,), (0.6253350776572671,)),
-    ("Z2 after 25", lambda: optclip.zclip(max_grad_norm=None), 25,
-     lambda s: (s.mean, s.var), (0.7100861385291458, 0.32516967586876694)),
-    ("Z2 after 26", lambda: optclip.zclip(max_grad_norm=None), 26,
-     lambda s: (s.mean, s.var), (0.70498633191294036, 0.31623028402924064)),
-    ("Z2 after 27", lambda: optclip.zclip(max_grad_norm=None), 27,
-     lambda s: (s.mean, s.var, s.threshold), (0.72204526378105038, 0.31587032995945685,
-                                              1.2736173941832742)),
-    ("Z2 after 32", lambda: optclip.zclip(max_grad_norm=None), 32,
-     lambda s: (s.mean, s.var), (0.69730585433289827, 0.274867075041693)),
-    ("Z7 after 20", lambda: optclip.zclip(max_grad_norm=None, warmup_steps=20), 20,
-     lambda s: (s.mean, s.var), (0.6304168489007209, 0.1362395966220858)),
-    ("Z7 after 33", lambda: optclip.zclip(max_grad_norm=None, warmup_steps=20), 33,
-     lambda s: (s.threshold,), (1.0896305999917657,)),
+    ("HC-Z/recip", 21, lambda s: (s.criterion.mean, s.criterion.var),
+     (0.627966117336, 0.139308001496)),
+    ("HC-Z/recip", 23, lambda s: (s.criterion.mean, s.criterion.var),
+     (0.6228668443698645, 0.13150370204622697)),
+    ("HC-Z/recip", 32, lambda s: (s.criterion.mean, s.criterion.var),
+     (0.75493501941843189, 0.55435512071042614)),
+    ("HC-EMA/max", 21, lambda s: (s.criterion.mean,), (0.6287830278573616,)),
+    ("HC-EMA/max", 23, lambda s: (s.criterion.mean,), (0.6253350776572671,)),
+    ("Z2", 25, lambda s: (s.mean, s.var), (0.7100861385291458, 0.32516967586876694)),
+    ("Z2", 26, lambda s: (s.mean, s.var), (0.70498633191294036, 0.31623028402924064)),
+    ("Z2", 27, lambda s: (s.mean, s.var, s.threshold),
+     (0.72204526378105038, 0.31587032995945685, 1.2736173941832742)),
+    ("Z2", 32, lambda s: (s.mean, s.var), (0.69730585433289827, 0.274867075041693)),
+    ("Z7", 20, lambda s: (s.mean, s.var), (0.6304168489007209, 0.1362395966220858)),
+    ("Z7", 33, lambda s: (s.threshold,), (1.0896305999917657,)),
 ]
 
 
-@pytest.mark.parametrize("name,make,calls,get,want", CHECKPOINTS, ids=[c[0] for c in CHECKPOINTS])
-def test_spec_checkpoints(name, make, calls, get, want):
-    with enable_x64(True):
-        _, state = run_scan(make(), g_tree(G[:calls], jnp.float64))
-        np.testing.assert_allclose(np.array(get(state), np.float64), want, rtol=1e-11)
+@pytest.mark.parametrize("column,call,get,want", CHECKPOINTS,
+                         ids=[f"{c[0]}@{c[1]}" for c in CHECKPOINTS])
+def test_spec_checkpoints(column, call, get, want):
+    _, _, states = run_columns("global", jnp.float64)
+    state = jax.tree.map(lambda x: x[call - 1], states[column])
+    np.testing.assert_allclose(np.array(get(state), np.float64), want, rtol=1e-11)
 
 
 def test_spec_install_statistics():
     """§6.7: the default HistClipper installs mean 0.6304..., unbiased variance 0.1434...."""
+    _, _, states = run_columns("global", jnp.float64)
+    state = jax.tree.map(lambda x: x[19], states["HC-Z/recip"])
     with enable_x64(True):
-        _, state = run_scan(optclip.hist_clip(), g_tree(G[:20], jnp.float64))
         mean, var = history._warmup_statistics(state.warmup_norms, 20)
-        np.testing.assert_allclose([mean, var], [0.63041684890072092, 0.14341010170745874],
-                                   rtol=1e-13)
-        assert int(state.count) == 20
+    np.testing.assert_allclose([mean, var], [0.63041684890072092, 0.14341010170745874],
+                               rtol=1e-13)
+    assert int(state.count) == 20
 
 
 # §6.8 edge cases: a single leaf [x, 0] plus a zero second leaf, so the global norm is x.
@@ -303,54 +325,67 @@ EDGE = [
 ]
 
 
+EDGE.append(("E3 fixed", lambda: optclip.hist_clip(ema(), optax.identity(), 1),
+             [0, 1, 1, 1], [0, 1, 1, 1]))
+EDGE_CALLS = 8
+
+
 def edge_seq(xs, dtype):
+    """Gradient [x, 0] plus a zero leaf, so the global norm is x; padded to EDGE_CALLS calls
+    (later calls cannot change earlier outputs)."""
+    xs = list(xs) + [1.0] * (EDGE_CALLS - len(xs))
     return {"x": jnp.asarray([[x, 0.0] for x in xs], dtype),
             "zero": jnp.zeros((len(xs), 3), dtype)}
 
 
+@functools.cache
+def run_edges():
+    """Every EDGE case on its own inputs, in one jitted scan (float64)."""
+    with enable_x64(True):
+        txs = [make() for _, make, _, _ in EDGE]
+        inputs = tuple(edge_seq(xs, jnp.float64) for _, _, xs, _ in EDGE)
+
+        @jax.jit
+        def go(inputs):
+            def step(states, gs):
+                outs, new = zip(*(tx.update(g, s) for tx, g, s in zip(txs, gs, states,
+                                                                      strict=True)), strict=True)
+                return new, (outs, new)
+            first = [jax.tree.map(lambda x: x[0], g) for g in inputs]
+            init = tuple(tx.init(g) for tx, g in zip(txs, first, strict=True))
+            return jax.lax.scan(step, init, inputs)[1]
+
+        outs, states = go(inputs)
+    return {case[0]: (np.asarray(out["x"])[:, 0], state)
+            for case, out, state in zip(EDGE, outs, states, strict=True)}
+
+
+def edge_state(name, call):
+    return jax.tree.map(lambda x: x[call - 1], run_edges()[name][1])
+
+
 @pytest.mark.parametrize("name,make,inputs,want", EDGE, ids=[e[0] for e in EDGE])
 def test_spec_edge_cases(name, make, inputs, want):
-    with enable_x64(True):
-        outs, _ = run_scan(make(), edge_seq(inputs, jnp.float64))
-        got = np.asarray(outs["x"])[:, 0]
-        if want is None:
-            want = oracle(name, inputs)
-        np.testing.assert_allclose(got, want, rtol=1e-13, atol=0, equal_nan=True)
+    got = run_edges()[name][0][:len(inputs)]
+    if want is None:
+        want = oracle(name, inputs)
+    np.testing.assert_allclose(got, want, rtol=1e-13, atol=0, equal_nan=True)
 
 
-def test_e3_reference_final_mean():
-    with enable_x64(True):
-        tx = optclip.hist_clip(ema(parity="reference"), warmup_steps=0, parity="reference")
-        _, state = run_scan(tx, edge_seq([1, 1, 1, 1], jnp.float64))
-        np.testing.assert_allclose(state.criterion.mean, 0.07763184, rtol=1e-7)
+FINAL_STATISTICS = [
+    ("E1", 6, lambda s: (s.criterion.mean, s.criterion.var), (2.2364, 1.829905), 1e-5),
+    ("E2 ref", 8, lambda s: (s.mean, s.var), (1.985450003, 0.006851398659681284), 1e-9),
+    ("E3 ref", 4, lambda s: (s.criterion.mean,), (0.07763184,), 1e-7),
+    ("E3 fixed", 4, lambda s: (s.criterion.mean,), (1.0,), 0),  # D4 fixed: starts at 1
+    ("E6 ref W=0", 3, lambda s: (s.mean, s.var), (1.0, 0.0), 0),
+]
 
 
-def test_e3_fixed_starts_from_first_norm():
-    """D4 fixed: the EMA starts at the first norm instead of averaging in from 0."""
-    with enable_x64(True):
-        tx = optclip.hist_clip(ema(), warmup_steps=1, warmup_transform=optax.identity())
-        outs, state = run_scan(tx, edge_seq([0, 1, 1, 1], jnp.float64))
-        np.testing.assert_array_equal(np.asarray(outs["x"])[:, 0], [0, 1, 1, 1])
-        assert float(state.criterion.mean) == 1.0
-
-
-def test_e1_final_statistics():
-    with enable_x64(True):
-        tx = optclip.hist_clip(warmup_transform=optax.identity(), warmup_steps=3)
-        _, state = run_scan(tx, edge_seq([2, 2, 2, 2, 6, 6], jnp.float64))
-        np.testing.assert_allclose([state.criterion.mean, state.criterion.var],
-                                   [2.2364, 1.829905], rtol=1e-5)
-
-
-def test_e2_e6_reference_final_statistics():
-    with enable_x64(True):
-        tx = optclip.zclip(warmup_steps=3, max_grad_norm=None, parity="reference")
-        _, state = run_scan(tx, edge_seq([2, 2, 2, 2, 2.1, 6, 1.5, 2.0000001], jnp.float64))
-        np.testing.assert_allclose([state.mean, state.var], [1.985450003, 0.006851398659681284],
-                                   rtol=1e-9)
-        tx = optclip.zclip(warmup_steps=0, max_grad_norm=None, parity="reference")
-        _, state = run_scan(tx, edge_seq([1, 1.5, 9], jnp.float64))
-        assert (float(state.mean), float(state.var)) == (1.0, 0.0)
+@pytest.mark.parametrize("name,call,get,want,rtol", FINAL_STATISTICS,
+                         ids=[f[0] for f in FINAL_STATISTICS])
+def test_spec_edge_final_statistics(name, call, get, want, rtol):
+    np.testing.assert_allclose(np.array(get(edge_state(name, call)), np.float64), want,
+                               rtol=rtol)
 
 
 def test_shared_state_reproducer_separate():
@@ -538,18 +573,27 @@ ORACLE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,make,expect", ORACLE_CASES, ids=[c[0] for c in ORACLE_CASES])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_against_oracle(name, make, expect, seed):
+@functools.cache
+def run_oracle_cases(seed):
+    """All ORACLE_CASES side by side in one scan over a random spiky sequence."""
     rng = np.random.default_rng(seed)
     ns = spiky_norms(rng, 60, rng.choice(np.arange(10, 60), 6, replace=False))
     grads = grads_with_norms(rng, ns)
     with enable_x64(True):
-        outs, _ = run_scan(make(), jax.tree.map(jnp.asarray, grads))
-        scales = expect(list(ns))
-        for k in grads:
-            want = grads[k] * np.reshape(scales, (-1,) + (1,) * (grads[k].ndim - 1))
-            np.testing.assert_allclose(outs[k], want, rtol=1e-12, atol=1e-15, err_msg=name)
+        outs, _ = scanner(tuple(make for _, make, _ in ORACLE_CASES))(
+            jax.tree.map(jnp.asarray, grads))
+    return ns, grads, {case[0]: out for case, out in zip(ORACLE_CASES, outs, strict=True)}
+
+
+@pytest.mark.parametrize("name,make,expect", ORACLE_CASES, ids=[c[0] for c in ORACLE_CASES])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_against_oracle(name, make, expect, seed):
+    ns, grads, outs = run_oracle_cases(seed)
+    outs = outs[name]
+    scales = expect(list(ns))
+    for k in grads:
+        want = grads[k] * np.reshape(scales, (-1,) + (1,) * (grads[k].ndim - 1))
+        np.testing.assert_allclose(outs[k], want, rtol=1e-12, atol=1e-15, err_msg=name)
 
 
 PER_LEAF_ORACLE = [
@@ -564,22 +608,31 @@ PER_LEAF_ORACLE = [
 ]
 
 
-@pytest.mark.parametrize("name,make,expect", PER_LEAF_ORACLE, ids=[c[0] for c in PER_LEAF_ORACLE])
-def test_per_leaf_against_oracle(name, make, expect):
+@functools.cache
+def run_per_leaf_cases():
     rng = np.random.default_rng(3)
     grads = {"w": rng.standard_normal((50, 3, 2)), "b": rng.standard_normal((50, 4)),
              "count": np.zeros((50, 2), np.int32)}
     grads["w"][[12, 30, 41]] *= 15
     grads["b"][[20, 30, 44]] *= 12
     with enable_x64(True):
-        outs, state = run_scan(make(), jax.tree.map(jnp.asarray, grads))
-        np.testing.assert_array_equal(outs["count"], grads["count"])
-        for k in ("w", "b"):
-            ns = np.sqrt((grads[k] ** 2).reshape(50, -1).sum(1))
-            scales = np.asarray(expect(list(ns)))
-            want = grads[k] * scales.reshape((-1,) + (1,) * (grads[k].ndim - 1))
-            np.testing.assert_allclose(outs[k], want, rtol=1e-12, atol=1e-15, err_msg=k)
-        assert state.norm["count"] is None
+        outs, states = scanner(tuple(make for _, make, _ in PER_LEAF_ORACLE))(
+            jax.tree.map(jnp.asarray, grads))
+    return grads, {case[0]: (out, jax.tree.map(lambda x: x[-1], state))
+                   for case, out, state in zip(PER_LEAF_ORACLE, outs, states, strict=True)}
+
+
+@pytest.mark.parametrize("name,make,expect", PER_LEAF_ORACLE, ids=[c[0] for c in PER_LEAF_ORACLE])
+def test_per_leaf_against_oracle(name, make, expect):
+    grads, results = run_per_leaf_cases()
+    outs, state = results[name]
+    np.testing.assert_array_equal(outs["count"], grads["count"])
+    for k in ("w", "b"):
+        ns = np.sqrt((grads[k] ** 2).reshape(50, -1).sum(1))
+        scales = np.asarray(expect(list(ns)))
+        want = grads[k] * scales.reshape((-1,) + (1,) * (grads[k].ndim - 1))
+        np.testing.assert_allclose(outs[k], want, rtol=1e-12, atol=1e-15, err_msg=k)
+    assert state.norm["count"] is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -601,39 +654,57 @@ FAMILY = {
     "standard_clip": lambda: optclip.standard_clip(history_length=6, add_mean=True),
     "standard_clip local": lambda: optclip.standard_clip(history_length=6),
 }
+EAGER = ("hist_clip stateful warm-up", "param_hist_clip", "zclip capped", "standard_clip local")
 DEFAULTS = [optclip.hist_clip, optclip.param_hist_clip, optclip.zclip, optclip.quantile_clip,
             optclip.standard_clip]
 
 
 def family_seq(rng, length=16):
     ns = spiky_norms(rng, length, [9, 13])
-    return [jax.tree.map(jnp.asarray, dict(g)) for g in _rows(grads_with_norms(rng, ns))]
+    return rows(jax.tree.map(jnp.asarray, grads_with_norms(rng, ns)))
 
 
-def _rows(tree):
-    length = len(next(iter(tree.values())))
-    return [{k: v[t] for k, v in tree.items()} for t in range(length)]
+DIAGNOSTICS = ("norm", "threshold", "scale", "clipped", "nonfinite")
 
 
-@pytest.mark.parametrize("bad", [math.nan, math.inf])
 @pytest.mark.parametrize("name", list(FAMILY))
-def test_nonfinite_step_is_skipped(name, bad):
-    """A NaN/inf step leaves the state as it was: later outputs equal the run without it."""
+def test_jit_eager_nonfinite_checkpoint(name):
+    """jit == eager; a NaN/inf step leaves the state as it was (later outputs equal the run
+    without that step); a checkpoint round trip continues identically."""
     rng = np.random.default_rng(7)
     seq = family_seq(rng)
-    poisoned = jax.tree.map(lambda x: x.at[0].set(bad), seq[7])
     tx = FAMILY[name]()
     update = jax.jit(tx.update)
     clean_outs, clean_state = run_loop(tx, seq, update)
-    outs, state = run_loop(tx, seq[:7] + [poisoned] + seq[7:], update)
-    for got, want in zip(outs[8:], clean_outs[7:], strict=True):
-        chex.assert_trees_all_equal(got, want)
-    assert int(state.nonfinite) == 1
-    diag = ("norm", "threshold", "scale", "clipped", "nonfinite")
-    chex.assert_trees_all_equal(
-        {k: v for k, v in state._asdict().items() if k not in diag},
-        {k: v for k, v in clean_state._asdict().items() if k not in diag})
-    assert optclip.stats(state)
+    keys = {k.split("_max")[0].split("_mean")[0].split("_frac")[0]
+            for k in optclip.stats(clean_state)}
+    prefix = name.split()[0]
+    assert {f"{prefix}/norm", f"{prefix}/clipped", f"{prefix}/nonfinite"} <= keys, keys
+
+    if name in EAGER:  # the conformance suite checks jit == eager on every registry entry
+        eager, _ = run_loop(tx, seq[:8])
+        chex.assert_trees_all_close(eager, clean_outs[:8], rtol=1e-6, atol=1e-7)
+
+    for bad in (math.nan, math.inf):
+        poisoned = jax.tree.map(lambda x: x.at[0].set(bad), seq[7])
+        outs, state = run_loop(tx, seq[:7] + [poisoned] + seq[7:], update)
+        for got, want in zip(outs[8:], clean_outs[7:], strict=True):
+            chex.assert_trees_all_equal(got, want)
+        assert int(state.nonfinite) == 1
+        chex.assert_trees_all_equal(
+            {k: v for k, v in state._asdict().items() if k not in DIAGNOSTICS},
+            {k: v for k, v in clean_state._asdict().items() if k not in DIAGNOSTICS})
+        assert optclip.stats(state)
+
+    # Checkpoint after 8 calls, restore into a fresh init, continue identically.
+    _, state = run_loop(tx, seq[:8], update)
+    restored = flax.serialization.from_bytes(tx.init(seq[0]),
+                                             flax.serialization.to_bytes(state))
+    chex.assert_trees_all_equal(restored, state)
+    for g in seq[8:]:
+        o1, state = update(g, state)
+        o2, restored = update(g, restored)
+        chex.assert_trees_all_equal(o1, o2)
 
 
 @pytest.mark.parametrize("make", DEFAULTS, ids=lambda f: f.__name__)
@@ -643,49 +714,25 @@ def test_default_instances_share_no_state(make):
     seq = family_seq(rng, 30)
     big = [jax.tree.map(lambda x: 10 * x, g) for g in seq]
     first, second = make(), make()
-    alone1, _ = run_loop(make(), seq)
-    alone2, _ = run_loop(make(), big)
+    u1, u2 = jax.jit(first.update), jax.jit(second.update)
+    alone1, _ = run_loop(first, seq, u1)
+    alone2, _ = run_loop(second, big, u2)
     s1, s2 = first.init(seq[0]), second.init(seq[0])
     for t, (g, h) in enumerate(zip(seq, big, strict=True)):
-        o1, s1 = first.update(g, s1)
-        o2, s2 = second.update(h, s2)
+        o1, s1 = u1(g, s1)
+        o2, s2 = u2(h, s2)
         chex.assert_trees_all_equal(o1, alone1[t])
         chex.assert_trees_all_equal(o2, alone2[t])
+    assert int(s1.nonfinite) == 0 and not np.array_equal(np.asarray(o1["w"]), np.asarray(o2["w"]))
 
 
-def test_default_criterion_is_fresh():
-    assert optclip.zscore_criterion() == optclip.zscore_criterion() or True  # immutable values
+def test_criterion_is_immutable():
     crit = optclip.zscore_criterion()
-    with pytest.raises(dataclasses_frozen_error()):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         crit.name = "x"
 
 
-def dataclasses_frozen_error():
-    import dataclasses
-    return dataclasses.FrozenInstanceError
-
-
-@pytest.mark.parametrize("name", list(FAMILY))
-def test_jit_equals_eager_and_checkpoint(name, tmp_path):
-    rng = np.random.default_rng(5)
-    seq = family_seq(rng)
-    tx = FAMILY[name]()
-    eager, _ = run_loop(tx, seq)
-    jitted, _ = run_loop(tx, seq, jax.jit(tx.update))
-    chex.assert_trees_all_close(eager, jitted, rtol=1e-6, atol=1e-7)
-    # Checkpoint after 8 calls, restore into a fresh init, continue identically.
-    update = jax.jit(tx.update)
-    _, state = run_loop(tx, seq[:8], update)
-    blob = flax.serialization.to_bytes(state)
-    restored = flax.serialization.from_bytes(tx.init(seq[0]), blob)
-    chex.assert_trees_all_equal(restored, state)
-    for g in seq[8:]:
-        o1, state = update(g, state)
-        o2, restored = update(g, restored)
-        chex.assert_trees_all_equal(o1, o2)
-
-
-@pytest.mark.parametrize("name", ["hist_clip", "param_hist_clip", "zclip", "quantile_clip local"])
+@pytest.mark.parametrize("name", ["hist_clip", "quantile_clip local"])
 def test_chain_with_adam_in_jitted_step(name):
     tx = optax.chain(FAMILY[name](), optax.adam(1e-2))
     params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(4)}
@@ -704,117 +751,123 @@ def test_chain_with_adam_in_jitted_step(name):
     assert optclip.stats(state)
 
 
-def test_spiky_sequence_cuts_spikes_leaves_ordinary_steps():
-    """zclip and hist_clip cut spikes on a synthetic spiky norm sequence; other steps untouched."""
+SPIKY_CASES = [
+    # (transform, largest norm a spike may keep)
+    ("zclip", lambda: optclip.zclip(max_grad_norm=None), 1.5),
+    ("hist_clip feedback=clip_value", lambda: optclip.hist_clip(feedback="clip_value"), 1.5),
+    # drytorch's raw-norm feedback inflates the variance after each spike (D2): every spike is
+    # cut, but later ones less (the 9.0 one only to 8.75); the first is held near the mean.
+    ("hist_clip", lambda: optclip.hist_clip(), None),
+]
+
+
+@functools.cache
+def run_spiky():
     rng = np.random.default_rng(0)
     length, spikes = 120, [40, 55, 71, 90, 104]
     ns = 1.0 + 0.05 * rng.standard_normal(length)
     ns[spikes] = [8.0, 12.0, 6.0, 20.0, 9.0]
     grads = jax.tree.map(jnp.asarray, grads_with_norms(rng, ns))
-    for tx in (optclip.zclip(max_grad_norm=None), optclip.hist_clip()):
-        outs, state = run_scan(tx, grads)
-        out_norms = np.sqrt(np.asarray(outs["w"] ** 2).sum((1, 2))
-                            + np.asarray(outs["b"] ** 2).sum(1))
-        ordinary = np.setdiff1d(np.arange(30, length), spikes)
-        np.testing.assert_array_equal(out_norms[ordinary], np.asarray(
-            np.sqrt((grads["w"] ** 2).sum((1, 2)) + (grads["b"] ** 2).sum(1)))[ordinary])
-        assert np.all(out_norms[spikes] < 1.5), out_norms[spikes]
-        assert int(state.spikes) == len(spikes)
+    outs, states = scanner(tuple(make for _, make, _ in SPIKY_CASES))(grads)
+    norm = lambda t: np.sqrt(np.asarray(t["w"] ** 2).sum((1, 2)) + np.asarray(t["b"] ** 2).sum(1))
+    return spikes, norm(grads), [(norm(o), int(s.spikes[-1])) for o, s in zip(outs, states,
+                                                                                strict=True)]
 
 
-@given(st.lists(st.floats(0.05, 50.0), min_size=24, max_size=24),
-       st.sampled_from(["zscore/recip", "zscore/max", "ema/max", "ema/recip"]))
-def test_property_threshold_not_below_mean(ns, kind):
-    """After the warm-up a clipped call keeps at least the running mean (clip value >= mean)."""
-    crit = {"zscore/recip": zs(), "zscore/max": zs(clip_fn=mx), "ema/max": ema(),
-            "ema/recip": ema(clip_fn=rc)}[kind]
-    tx = optclip.hist_clip(crit, optax.identity(), warmup_steps=4)
-    outs, means, pre = _hist_trace(tx, ns)
-    for t in range(4, 24):
-        if kind == "ema/recip":  # r**2 * mu**2 / n: at least mu**2 / n * r**2 (spec §2.3)
-            floor = 1.05 ** 2 * means[t] ** 2 / pre[t]
-        else:
-            floor = means[t]
-        assert outs[t] >= min(pre[t], floor) * (1 - 1e-5) - 1e-6
+@pytest.mark.parametrize("case", range(len(SPIKY_CASES)), ids=[c[0] for c in SPIKY_CASES])
+def test_spiky_sequence_cuts_spikes_leaves_ordinary_steps(case):
+    """zclip and hist_clip cut spikes on a synthetic spiky norm sequence; other steps untouched."""
+    spikes, in_norms, results = run_spiky()
+    out_norms, detected = results[case]
+    bound = SPIKY_CASES[case][2]
+    ordinary = np.setdiff1d(np.arange(30, len(in_norms)), spikes)
+    np.testing.assert_array_equal(out_norms[ordinary], in_norms[ordinary])
+    assert detected == len(spikes)
+    assert np.all(out_norms[spikes] < in_norms[spikes]), out_norms[spikes]
+    assert out_norms[spikes[0]] < 1.5
+    if bound is not None:
+        assert np.all(out_norms[spikes] < bound), out_norms[spikes]
 
 
-@given(st.lists(st.floats(0.05, 50.0), min_size=24, max_size=24))
-def test_property_warmup_only_warmup_transform(ns):
-    """During warm-up nothing but the warm-up transform acts."""
-    for tx, warm in ((optclip.hist_clip(warmup_transform=optax.identity(), warmup_steps=10),
-                      lambda n: n),
-                     (optclip.hist_clip(warmup_steps=10), lambda n: n * tclip(1.0, n)),
-                     (optclip.zclip(warmup_steps=10, max_grad_norm=None), lambda n: n),
-                     (optclip.zclip(warmup_steps=10, max_grad_norm=2.0),
-                      lambda n: n * tclip(2.0, n))):
-        outs, _, pre = _hist_trace(tx, ns)
-        np.testing.assert_allclose(outs[:10], [warm(n) for n in pre[:10]], rtol=1e-5)
+PROPERTY_CRITERIA = {
+    "zscore/recip": lambda: optclip.hist_clip(zs(), optax.identity(), 4),
+    "zscore/max": lambda: optclip.hist_clip(zs(clip_fn=mx), optax.identity(), 4),
+    "zscore/mean": lambda: optclip.hist_clip(zs(clip_fn=mn), optax.identity(), 4),
+    "ema/max": lambda: optclip.hist_clip(ema(), optax.identity(), 4),
+    "ema/mean": lambda: optclip.hist_clip(ema(clip_fn=mn), optax.identity(), 4),
+    "ema/recip": lambda: optclip.hist_clip(ema(clip_fn=rc), optax.identity(), 4),
+    "zclip": lambda: optclip.zclip(max_grad_norm=None, warmup_steps=4),
+}
+norm_lists = st.lists(st.floats(0.05, 50.0), min_size=24, max_size=24)
 
 
-@given(st.lists(st.floats(0.05, 50.0), min_size=24, max_size=24))
-def test_property_zclip_threshold(ns):
-    """ZClip (adaptive scaling, cap None): a clipped call keeps at least the EMA mean."""
-    tx = optclip.zclip(max_grad_norm=None, warmup_steps=4)
-    outs, means, pre = _hist_trace(tx, ns, mean_of=lambda s: s.mean)
-    for t in range(4, 24):
-        assert outs[t] >= min(pre[t], means[t]) * (1 - 1e-5) - 1e-6
-        assert outs[t] <= pre[t] * (1 + 1e-6)
-
-
-_TRACE_CACHE: dict = {}
-
-
-def _hist_trace(tx, ns, mean_of=None):
-    """Output norms, criterion mean before each call, and input norms for norms ``ns``."""
-    mean_of = mean_of or (lambda s: s.criterion.mean)
+def trace(make, ns):
+    """Input norms, output norms and per-call states of ``make()`` on gradients of norms ns."""
     grads = {"w": jnp.asarray(np.asarray(ns, np.float32)[:, None] * np.array([0.6, 0.8],
                                                                            np.float32))}
-
-    def step(state, g):
-        mean = mean_of(state)
-        out, state = tx.update(g, state)
-        return state, (jnp.sqrt(jnp.sum(out["w"] ** 2)), mean, jnp.sqrt(jnp.sum(g["w"] ** 2)))
-
-    _, (outs, means, pre) = jax.jit(lambda gs: jax.lax.scan(
-        step, tx.init({"w": gs["w"][0]}), gs))(grads)
-    return np.asarray(outs), np.asarray(means), np.asarray(pre)
+    outs, states = scanner((make,))(grads)
+    norm = lambda x: np.sqrt(np.sum(np.asarray(x, np.float64) ** 2, axis=-1))
+    return norm(grads["w"]), norm(outs[0]["w"]), states[0]
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_low_precision_norm_accumulates_wide(dtype):
+@given(norm_lists, st.sampled_from(list(PROPERTY_CRITERIA)))
+def test_property_threshold_not_below_mean(ns, kind):
+    """A clipped call never goes below the running mean (every clip value is >= the mean;
+    ema/recip: >= r**2 mean**2 / n), and nothing is ever scaled up."""
+    pre, out, states = trace(PROPERTY_CRITERIA[kind], ns)
+    means = np.asarray(states.mean if kind == "zclip" else states.criterion.mean, np.float64)
+    means = np.concatenate([[np.mean(pre[:4])], means[4:-1]])  # mean in force at calls 5..24
+    floors = 1.05 ** 2 * means ** 2 / pre[4:] if kind == "ema/recip" else means
+    assert np.all(out[4:] >= np.minimum(pre[4:], floors) * (1 - 1e-5) - 1e-6)
+    assert np.all(out <= pre * (1 + 1e-6))
+
+
+WARMUP_CASES = [
+    (lambda: optclip.hist_clip(warmup_transform=optax.identity(), warmup_steps=10),
+     lambda n: n),
+    (lambda: optclip.hist_clip(warmup_steps=10), lambda n: n * np.minimum(1, 1 / (n + 1e-6))),
+    (lambda: optclip.param_hist_clip(warmup_transform=optax.identity(), warmup_steps=10),
+     lambda n: n),
+    (lambda: optclip.zclip(warmup_steps=10, max_grad_norm=None), lambda n: n),
+    (lambda: optclip.zclip(warmup_steps=10, max_grad_norm=2.0),
+     lambda n: n * np.minimum(1, 2 / (n + 1e-6))),
+]
+
+
+@given(norm_lists, st.sampled_from(range(len(WARMUP_CASES))))
+def test_property_warmup_only_warmup_transform(ns, case):
+    """During the warm-up nothing but the warm-up transform acts."""
+    make, warm = WARMUP_CASES[case]
+    pre, out, _ = trace(make, ns)
+    np.testing.assert_allclose(out[:10], warm(pre[:10]), rtol=1e-5)
+
+
+def test_float16_norm_accumulates_wide():
     """D9/Z7: a float16 gradient [300, 0] has norm 300, not inf; statistics stay float32."""
-    g = {"w": jnp.array([300.0, 0.0], dtype), "v": jnp.array([1.0], jnp.float32)}
-    for tx in (optclip.hist_clip(), optclip.zclip(), optclip.param_hist_clip(),
-               optclip.quantile_clip(global_threshold=True)):
-        out, state = tx.update(g, tx.init(g))
-        norm = state.norm if not isinstance(state.norm, dict) else state.norm["w"]
+    g = {"w": jnp.array([300.0, 0.0], jnp.float16), "v": jnp.array([0.0], jnp.float32)}
+    txs = (optclip.hist_clip(), optclip.zclip(), optclip.param_hist_clip(),
+           optclip.quantile_clip(global_threshold=True))
+    outs, states = jax.jit(lambda g: tuple(zip(*(tx.update(g, tx.init(g)) for tx in txs),
+                                               strict=True)))(g)
+    for out, state in zip(outs, states, strict=True):
+        norm = state.norm["w"] if isinstance(state.norm, dict) else state.norm
         assert norm.dtype == jnp.float32
-        np.testing.assert_allclose(float(norm), math.sqrt(300.0 ** 2 + (
-            1.0 if not isinstance(state.norm, dict) else 0.0)), rtol=1e-3)
-        assert out["w"].dtype == dtype
+        assert float(norm) == 300.0
+        assert out["w"].dtype == jnp.float16
+        assert np.isfinite(np.asarray(out["w"], np.float32)).all()
 
 
-def test_empty_and_odd_trees():
-    trees = [{}, {"a": None, "m": optax.MaskedNode(), "i": jnp.arange(3),
-                  "s": jnp.float32(2.0), "z": jnp.zeros((0, 3))}]
-    for make in DEFAULTS:
-        for tree in trees:
-            tx = make()
-            state = tx.init(tree)
-            out, state = jax.jit(tx.update)(tree, state)
-            chex.assert_trees_all_equal(out, tree)
-
-
-def test_stats_keys():
-    g = {"w": jnp.ones((2, 2))}
-    for make, name in [(optclip.hist_clip, "hist_clip"), (optclip.zclip, "zclip"),
-                       (optclip.param_hist_clip, "param_hist_clip"),
-                       (optclip.quantile_clip, "quantile_clip"),
-                       (optclip.standard_clip, "standard_clip")]:
-        tx = make()
-        _, state = tx.update(g, tx.init(g))
-        s = optclip.stats(state)
-        assert {f"{name}/norm", f"{name}/clipped", f"{name}/nonfinite"} <= set(s), s
+@pytest.mark.parametrize("make", DEFAULTS, ids=lambda f: f.__name__)
+def test_empty_and_odd_trees(make):
+    """Empty trees, None / MaskedNode / integer / 0-d / zero-size leaves."""
+    tx = make()
+    out, _ = tx.update({}, tx.init({}))
+    assert out == {}
+    tree = {"a": None, "m": optax.MaskedNode(), "i": jnp.arange(3), "s": jnp.float32(0.5),
+            "z": jnp.zeros((0, 3))}
+    out, state = jax.jit(tx.update)(tree, tx.init(tree))
+    chex.assert_trees_all_equal(out, tree)
+    assert int(state.nonfinite) == 0
 
 
 BAD_ARGS = [
