@@ -26,13 +26,14 @@ from optclip._core.checks import ScalarOrSchedule
 from optclip._core.norms import Ord
 
 __all__ = [
-    "ClipNormState", "ClipValueState", "GlobalClipState", "NormalizeState",
+    "ClipNormState", "ClipValueState", "GlobalClipState", "GlobalNormalizeState", "NormalizeState",
     "centralize", "clip_by_global_norm", "clip_grad_norm", "clip_grad_value", "clip_norm",
     "clip_value", "normalize", "normalize_grads", "zscore_normalize",
 ]
 
 
-@stats_lib.diagnostic("clip_value", ("max_abs", "clipped", "nonfinite"))
+@stats_lib.diagnostic("clip_value", ("max_abs", "clipped", "nonfinite"),
+                      per_leaf=("max_abs", "clipped"))
 class ClipValueState(NamedTuple):
     count: jax.Array      # int32 steps taken (for a ``value`` schedule)
     max_abs: Any          # per leaf: largest |g| before clipping (last finite value)
@@ -40,7 +41,7 @@ class ClipValueState(NamedTuple):
     nonfinite: jax.Array  # int32 steps whose gradients were not finite
 
 
-@stats_lib.diagnostic("clip_norm", ("norm", "clipped", "nonfinite"))
+@stats_lib.diagnostic("clip_norm", ("norm", "clipped", "nonfinite"), per_leaf=("norm", "clipped"))
 class ClipNormState(NamedTuple):
     count: jax.Array
     norm: Any             # per leaf: the pre-clip norm of every slice (reduced axes removed)
@@ -57,10 +58,17 @@ class GlobalClipState(NamedTuple):
     nonfinite: jax.Array
 
 
-@stats_lib.diagnostic("normalize", ("norm", "nonfinite"))
+@stats_lib.diagnostic("normalize", ("norm", "nonfinite"), per_leaf=("norm",))
 class NormalizeState(NamedTuple):
     count: jax.Array
-    norm: Any             # per-slice norms (per leaf) or the global norm
+    norm: Any             # per leaf: the norm of every slice before scaling
+    nonfinite: jax.Array
+
+
+@stats_lib.diagnostic("normalize", ("norm", "nonfinite"))
+class GlobalNormalizeState(NamedTuple):
+    count: jax.Array
+    norm: jax.Array       # the global norm before scaling
     nonfinite: jax.Array
 
 
@@ -433,15 +441,17 @@ def normalize(
     def measure(tree, target):
         return _normalized(tree, target, ord, dim, inverse_dims, min_size, eps)
 
+    state_cls = GlobalNormalizeState if dim == axes_lib.GLOBAL else NormalizeState
+
     def init_fn(params):
         zeros = _zeros_like_shapes(jax.eval_shape(lambda p: measure(p, 1.0)[1], params))
-        return NormalizeState(jnp.zeros([], jnp.int32), zeros, jnp.zeros([], jnp.int32))
+        return state_cls(jnp.zeros([], jnp.int32), zeros, jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
         del params
         target = checks.resolve(norm_value, state.count, norms.stat_dtype())
         new_updates, measured = measure(updates, target)
-        return new_updates, NormalizeState(
+        return new_updates, state_cls(
             optax.safe_increment(state.count), stats_lib.keep_finite(measured, state.norm),
             _count_nonfinite(state.nonfinite, measured))
 

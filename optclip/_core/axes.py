@@ -28,6 +28,7 @@ def check_dim(dim: Dim, *, allow_global: bool = True) -> None:
     """Construction-time validation of a torchzero-style ``dim``."""
     if dim is None:
         return
+    checks.static("dim", dim)
     if isinstance(dim, str):
         if allow_global and dim == GLOBAL:
             return

@@ -65,9 +65,9 @@ def in_range(
         return
     parts = []
     if low is not None:
-        parts.append(f"{'>=' if low_inclusive else '>'} {low}")
+        parts.append(f"{'>=' if low_inclusive else '>'} {low:g}")
     if high is not None:
-        parts.append(f"{'<=' if high_inclusive else '<'} {high}")
+        parts.append(f"{'<=' if high_inclusive else '<'} {high:g}")
     raise ValueError(f"{name} must be {' and '.join(parts)}, got {value!r}")
 
 
@@ -82,10 +82,23 @@ def non_negative(name: str, value: Any, *, allow_schedule: bool = False, allow_n
     in_range(name, value, 0.0, allow_schedule=allow_schedule, allow_none=allow_none)
 
 
+def static(name: str, value: Any) -> None:
+    """Static configuration (axes, ord, sizes, flags) cannot be an array or a tracer.
+
+    ``optax.inject_hyperparams`` turns every numeric argument, defaults included, into an array;
+    the configuration must then be listed in its ``static_args``.
+    """
+    if isinstance(value, (jax.Array, np.ndarray)) and not isinstance(value, np.generic):
+        raise TypeError(
+            f"{name} is static configuration and cannot be an array; with "
+            f"optax.inject_hyperparams list it in static_args, e.g. static_args=({name!r},)")
+
+
 def integer(name: str, value: Any, low: int | None = None, *, allow_none: bool = False) -> None:
     """``value`` is a Python int (not bool) and ``>= low``."""
     if value is None and allow_none:
         return
+    static(name, value)
     if isinstance(value, bool) or not isinstance(value, (numbers.Integral, np.integer)):
         raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}")
     if low is not None and value < low:
@@ -99,6 +112,7 @@ def one_of(name: str, value: Any, options: Sequence[Any]) -> None:
 
 
 def boolean(name: str, value: Any) -> None:
+    static(name, value)
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {value!r}")
 

@@ -15,26 +15,31 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-_REGISTRY: dict[type, tuple[str, tuple[str, ...]]] = {}
+_REGISTRY: dict[type, tuple[str, tuple[str, ...], frozenset[str]]] = {}
 
 
-def diagnostic(name: str, fields: tuple[str, ...]):
-    """Class decorator: register a state ``NamedTuple`` whose ``fields`` ``stats`` reports."""
+def diagnostic(name: str, fields: tuple[str, ...], per_leaf: tuple[str, ...] = ()):
+    """Class decorator: register a state ``NamedTuple`` whose ``fields`` ``stats`` reports.
+
+    Fields named in ``per_leaf`` hold a tree (per leaf or per slice) and are always summarised,
+    so the logged keys do not depend on the shape of the parameters; other fields are reported
+    as they are when they hold one scalar.
+    """
     def register(cls):
-        missing = set(fields) - set(cls._fields)
+        missing = (set(fields) | set(per_leaf)) - set(cls._fields)
         if missing:
             raise TypeError(f"{cls.__name__} has no fields {sorted(missing)}")
-        _REGISTRY[cls] = (name, tuple(fields))
+        _REGISTRY[cls] = (name, tuple(fields), frozenset(per_leaf))
         return cls
     return register
 
 
-def _summarise(key: str, value: Any) -> dict[str, jax.Array]:
+def _summarise(key: str, value: Any, per_leaf: bool) -> dict[str, jax.Array]:
     leaves = [jnp.asarray(x) for x in jax.tree.leaves(value)]
     leaves = [x for x in leaves if x.size > 0]
     if not leaves:
         return {}
-    if len(leaves) == 1 and leaves[0].size == 1:
+    if not per_leaf and len(leaves) == 1 and leaves[0].size == 1:
         return {key: leaves[0].reshape(())}
     if all(x.dtype == jnp.bool_ for x in leaves):
         hits = sum(jnp.sum(x, dtype=jnp.int32) for x in leaves)
@@ -69,11 +74,11 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
     for state in found:
         if type(state) not in _REGISTRY:
             continue
-        name, fields = _REGISTRY[type(state)]
+        name, fields, per_leaf = _REGISTRY[type(state)]
         prefix = name if seen[name] == 0 else f"{name}_{seen[name]}"
         seen[name] += 1
         for field in fields:
-            out.update(_summarise(f"{prefix}/{field}", getattr(state, field)))
+            out.update(_summarise(f"{prefix}/{field}", getattr(state, field), field in per_leaf))
     return out
 
 

@@ -1,0 +1,172 @@
+"""Every public transform, through the same checks (the registry lives in tests/registry/)."""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+import optclip
+from tests.registry import ALL_ENTRIES, Entry
+
+# Public names that are not transform factories (functions of trees, clip functions, criteria).
+NOT_TRANSFORMS = {
+    "stats", "clip_grad_norm", "clip_grad_value", "normalize_grads",
+    "max_clipping", "mean_clipping", "reciprocal_clipping", "ema_criterion", "zscore_criterion",
+}
+STEPS = 3
+
+entries = pytest.mark.parametrize("entry", ALL_ENTRIES, ids=str)
+
+
+def test_registry_covers_every_public_transform():
+    registered = {e.name for e in ALL_ENTRIES}
+    public = set(optclip.__all__) - NOT_TRANSFORMS
+    assert public - registered == set(), "add a tests/registry entry for each public transform"
+    assert registered - public == set()
+
+
+@functools.cache
+def _compiled(name: str):
+    """One transform and one jitted update per entry, shared by the checks below."""
+    entry = next(e for e in ALL_ENTRIES if e.name == name)
+    tx = entry.make()
+    return tx, jax.jit(tx.update)
+
+
+def _grads(entry: Entry, dtype=jnp.float32):
+    return [entry.tree(dtype, seed) for seed in range(10, 10 + STEPS)]
+
+
+def _params(entry: Entry, dtype=jnp.float32):
+    return entry.tree(dtype, 1)
+
+
+def _run(update, state, grads, params):
+    outs = []
+    for g in grads:
+        out, state = update(g, state, params)
+        outs.append(out)
+    return outs, state
+
+
+def _float_leaves(tree):
+    return [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
+
+
+@entries
+def test_jit_matches_eager(entry):
+    tx, update = _compiled(entry.name)
+    params = _params(entry)
+    jit_out, jit_state = _run(update, tx.init(params), _grads(entry), params)
+    eager_out, eager_state = _run(tx.update, tx.init(params), _grads(entry), params)
+    chex.assert_trees_all_close(jit_out, eager_out, rtol=entry.rtol, atol=1e-6)
+    chex.assert_trees_all_close(jit_state, eager_state, rtol=entry.rtol, atol=1e-6)
+
+
+@entries
+def test_chain_with_adam_in_a_jitted_train_step(entry):
+    tx = optax.chain(entry.make(), optax.adam(1e-2))
+    params = _params(entry)
+    target = jax.tree.map(lambda p: p * 0.5, params)
+
+    @jax.jit
+    def train_step(params, state):
+        loss, grads = jax.value_and_grad(
+            lambda p: sum(jnp.sum((a - b) ** 2) for a, b in
+                          zip(jax.tree.leaves(p), jax.tree.leaves(target))))(params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss, optclip.stats(state)
+
+    state = tx.init(params)
+    for _ in range(STEPS):
+        new_params, state, loss, logged = train_step(params, state)
+        assert np.isfinite(float(loss))
+        assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(new_params))
+        assert not all(np.array_equal(a, b) for a, b in
+                       zip(jax.tree.leaves(new_params), jax.tree.leaves(params))), "no step taken"
+        params = new_params
+    assert bool(logged) == entry.has_stats
+
+
+@entries
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_low_precision_dtype_kept_and_statistics_wide(entry, dtype):
+    tx = entry.make()
+    params = _params(entry, dtype)
+    outs, state = _run(jax.jit(tx.update), tx.init(params), _grads(entry, dtype), params)
+    for out, g in zip(outs, _grads(entry, dtype)):
+        chex.assert_trees_all_equal_dtypes(out, g)
+        assert all(np.all(np.isfinite(np.asarray(x, np.float32))) for x in jax.tree.leaves(out))
+    for leaf in _float_leaves(state):
+        assert jnp.asarray(leaf).dtype not in (jnp.bfloat16, jnp.float16), "narrow statistics"
+
+
+@entries
+def test_state_is_a_pytree_of_arrays_and_stats_are_scalars(entry):
+    tx, update = _compiled(entry.name)
+    params = _params(entry)
+    _, state = _run(update, tx.init(params), _grads(entry), params)
+    for leaf in jax.tree.leaves(state):
+        assert isinstance(leaf, (jax.Array, np.ndarray)), type(leaf)
+    logged = optclip.stats(state)
+    assert bool(logged) == entry.has_stats
+    for key, value in logged.items():
+        assert jnp.shape(value) == (), key
+        assert np.isfinite(np.asarray(value, np.float64)), key
+
+
+@entries
+def test_nonfinite_gradients_do_not_poison_state(entry):
+    tx, update = _compiled(entry.name)
+    params = _params(entry)
+    grads = _grads(entry)
+    _, state = _run(update, tx.init(params), grads[:2], params)
+    bad = jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(jnp.nan), grads[2])
+    bad = jax.tree.map(lambda g: g.at[(-1,) * g.ndim].set(jnp.inf) if g.ndim else g, bad)
+    _, after = update(bad, state, params)
+    for before_leaf, after_leaf in zip(_float_leaves(state), _float_leaves(after)):
+        was_finite = np.isfinite(np.asarray(before_leaf, np.float64))
+        assert np.all(np.isfinite(np.asarray(after_leaf, np.float64))[was_finite])
+
+
+@entries
+def test_bad_hyperparameters_rejected_at_construction(entry):
+    assert entry.bad_args, "list at least one bad argument in the registry"
+    factory = getattr(optclip, entry.name)
+    for kwargs, name in entry.bad_args:
+        with pytest.raises((ValueError, TypeError), match=name):
+            factory(**kwargs)
+
+
+def _shard(tree, mesh):
+    def place(x):
+        spec = (PartitionSpec("x", *([None] * (x.ndim - 1)))
+                if x.ndim >= 1 and x.shape[0] % mesh.size == 0 else PartitionSpec())
+        return jax.device_put(x, NamedSharding(mesh, spec))
+    return jax.tree.map(place, tree)
+
+
+@entries
+def test_sharded_run_matches_unsharded(entry):
+    if jax.device_count() < 8:
+        pytest.fail("the sharding check needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+    mesh = jax.make_mesh((8,), ("x",))
+    tx, update = _compiled(entry.name)
+    params = _params(entry)
+    plain_out, plain_state = _run(update, tx.init(params), _grads(entry), params)
+    sharded_params = _shard(params, mesh)
+    sharded_grads = [_shard(g, mesh) for g in _grads(entry)]
+    sharded_update = jax.jit(tx.update)
+    sharded_out, sharded_state = _run(sharded_update, tx.init(sharded_params), sharded_grads,
+                                      sharded_params)
+    chex.assert_trees_all_close(sharded_out, plain_out, rtol=entry.rtol, atol=1e-6)
+    chex.assert_trees_all_close(sharded_state, plain_state, rtol=entry.rtol, atol=1e-6)
+    for out, g in zip(jax.tree.leaves(sharded_out[-1]), jax.tree.leaves(sharded_grads[-1])):
+        assert out.sharding.is_equivalent_to(g.sharding, g.ndim), (out.sharding, g.sharding)

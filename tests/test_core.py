@@ -1,0 +1,210 @@
+"""The shared core: axes resolution, norms, validation and the stats walker."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optclip
+from optclip._core import axes, checks, norms
+
+
+@pytest.mark.parametrize("ndim, kwargs, expected", [
+    (2, dict(dim=None), (0, 1)),
+    (0, dict(dim=None), ()),                          # a 0-d leaf is one one-element slice
+    (0, dict(dim=0), ()),
+    (0, dict(dim=1), None),
+    (3, dict(dim=1), (1,)),
+    (1, dict(dim=1), None),                           # axes beyond the rank are ignored
+    (2, dict(dim=-1), (1,)),
+    (1, dict(dim=[0, -1]), (0,)),                     # D3: normalised, then de-duplicated
+    (2, dict(dim=-1, inverse_dims=True), (0,)),       # D3: not "all axes"
+    (2, dict(dim=None, inverse_dims=True), None),     # D2: the inverse of all axes is none
+    (3, dict(dim=(0, 2), inverse_dims=True), (1,)),
+    (2, dict(dim=-5), None),
+    (3, dict(param_ndim=None), (0, 1, 2)),
+    (3, dict(param_ndim=0), ()),
+    (3, dict(param_ndim=1), (2,)),
+    (3, dict(param_ndim=-1), (1, 2)),
+    (3, dict(param_ndim=-3), ()),
+    (3, dict(param_ndim=3), (0, 1, 2)),
+])
+def test_reduction_axes(ndim, kwargs, expected):
+    assert axes.reduction_axes(ndim, **kwargs) == expected
+
+
+@pytest.mark.parametrize("param_ndim", [4, -4])
+def test_param_ndim_larger_than_rank_is_rejected(param_ndim):
+    with pytest.raises(ValueError, match=r"\|param_ndim\| must be <= the rank"):
+        axes.reduction_axes(3, param_ndim=param_ndim)
+
+
+@pytest.mark.parametrize("ord, expected", [
+    ("l0", 0.0), ("l1", 1.0), ("l2", 2.0), ("l3", 3.0), ("l4", 4.0), ("linf", math.inf),
+    (-math.inf, -math.inf), (2, 2.0), ("mad", "mad"), ("std", "std"), ("var", "var"),
+    ("sum", "sum")])
+def test_canonical_ord(ord, expected):
+    assert norms.canonical_ord(ord) == expected
+
+
+@pytest.mark.parametrize("ord, error", [("l5", ValueError), ("L2", ValueError),
+                                         (float("nan"), ValueError), (True, TypeError),
+                                         ([2], TypeError), (jnp.asarray(2.0), TypeError)])
+def test_bad_ord(ord, error):
+    with pytest.raises(error, match="ord"):
+        norms.canonical_ord(ord)
+
+
+@pytest.mark.parametrize("ord", [2, 1, 0, 3, -2, math.inf, -math.inf, "mad", "std", "var", "sum"])
+def test_global_norm_equals_the_norm_of_the_concatenation(ord):
+    rng = np.random.default_rng(1)
+    tree = {"a": rng.normal(size=(3, 4)), "b": rng.normal(size=(5,)), "c": np.asarray(0.7)}
+    flat = np.concatenate([np.ravel(x) for x in tree.values()])
+    if ord == "mad":
+        expected = np.mean(np.abs(flat))
+    elif ord in ("std", "var"):
+        expected = np.std(flat, ddof=1) if ord == "std" else np.var(flat, ddof=1)
+    elif ord == "sum":
+        expected = abs(flat.sum())
+    elif ord == 0:
+        expected = np.count_nonzero(flat)
+    else:
+        expected = np.linalg.norm(flat, ord)
+    jtree = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
+    np.testing.assert_allclose(float(norms.global_norm(jtree, norms.canonical_ord(ord))),
+                               expected, rtol=2e-6)
+
+
+def test_norms_accumulate_wide_and_return_wide_dtypes():
+    x = jnp.full((4,), 300.0, jnp.float16)
+    assert norms.leaf_norm(x, 2.0).dtype == jnp.float32
+    assert float(norms.leaf_norm(x, 2.0)) == 600.0
+    assert float(norms.global_norm([x, x], 2.0)) == pytest.approx(600.0 * math.sqrt(2))
+    assert float(norms.global_norm([], 2.0)) == 0.0
+    with jax.enable_x64(True):
+        assert norms.leaf_norm(jnp.ones(3, jnp.float64), 2.0).dtype == jnp.float64
+        assert norms.stat_dtype() == jnp.float64
+    assert norms.stat_dtype() == jnp.float32
+
+
+def test_scale_multiplies_in_the_wide_dtype():
+    x = jnp.asarray([1.0, 3.0], jnp.bfloat16)
+    out = norms.scale(x, jnp.asarray(1 / 3, jnp.float32))
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                  np.asarray(jnp.asarray([1 / 3, 1.0], jnp.bfloat16), np.float32))
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: checks.positive("max_norm", -1.0), "max_norm must be > 0, got -1.0"),
+    (lambda: checks.in_range("q", 1.5, 0, 1), "q must be >= 0 and <= 1, got 1.5"),
+    (lambda: checks.in_range("beta", 1.0, 0, 1, high_inclusive=False), "beta must be >= 0 and < 1"),
+    (lambda: checks.positive("max_norm", "1"), "max_norm must be a number, got '1'"),
+    (lambda: checks.positive("max_norm", None), "max_norm must be a number, got None"),
+    (lambda: checks.positive("max_norm", jnp.ones(2), allow_schedule=True), "must be a scalar"),
+    (lambda: checks.integer("history_length", 2.0, low=1), "history_length must be an int"),
+    (lambda: checks.integer("history_length", 0, low=1), "history_length must be >= 1, got 0"),
+    (lambda: checks.one_of("mode", "z", ("zscore", "percentile")), "mode must be one of"),
+    (lambda: checks.boolean("tensorwise", 1), "tensorwise must be a bool"),
+])
+def test_checks_messages(call, message):
+    with pytest.raises((ValueError, TypeError), match=message.replace("(", r"\(")):
+        call()
+
+
+def test_checks_accept_schedules_and_traced_values():
+    checks.positive("max_norm", optax.constant_schedule(1.0), allow_schedule=True)
+    checks.positive("max_norm", jnp.asarray(1.0), allow_schedule=True)
+    checks.positive("max_norm", np.float32(2.0))
+    checks.positive("eps", None, allow_none=True)
+    assert float(checks.resolve(lambda count: 2.0 * count, jnp.asarray(3))) == 6.0
+
+
+# ---------------------------------------------------------------------------------------------
+# optclip.stats through every optax wrapper, under jit.
+
+PARAMS = {"w": jnp.ones((2, 3)), "b": jnp.ones(3)}
+GRADS = {"w": jnp.full((2, 3), 2.0), "b": jnp.full(3, 2.0)}   # global norm 6, leaf norms ~4.9, 3.5
+
+WRAPPERS = {
+    "chain": lambda: optax.chain(optclip.clip_by_global_norm(1.0), optax.adam(1e-3)),
+    "inject_hyperparams": lambda: optax.chain(
+        optax.inject_hyperparams(optclip.clip_by_global_norm, static_args="ord")(max_norm=1.0),
+        optax.sgd(0.1)),
+    "masked": lambda: optax.masked(optclip.clip_by_global_norm(1.0), {"w": True, "b": False}),
+    "multi_steps": lambda: optax.MultiSteps(
+        optax.chain(optclip.clip_by_global_norm(1.0), optax.sgd(0.1)), every_k_schedule=1),
+    "apply_if_finite": lambda: optax.apply_if_finite(
+        optax.chain(optclip.clip_by_global_norm(1.0), optax.sgd(0.1)), max_consecutive_errors=3),
+    "partition": lambda: optax.partition(
+        {"clip": optclip.clip_by_global_norm(1.0), "none": optax.identity()},
+        {"w": "clip", "b": "none"}),
+}
+
+
+@pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
+def test_stats_through_optax_wrappers_under_jit(wrapper):
+    tx = WRAPPERS[wrapper]()
+
+    @jax.jit
+    def step(state):
+        _, state = tx.update(GRADS, state, PARAMS)
+        return optclip.stats(state)
+
+    logged = step(tx.init(PARAMS))
+    expected_norm = 6.0 if wrapper not in ("masked", "partition") else math.sqrt(24.0)
+    np.testing.assert_allclose(float(logged["clip_by_global_norm/norm"]), expected_norm, rtol=1e-6)
+    assert bool(logged["clip_by_global_norm/clipped"])
+    assert int(logged["clip_by_global_norm/nonfinite"]) == 0
+
+
+def test_stats_names_repeated_transforms_and_summarises_per_leaf_fields():
+    tx = optax.chain(optclip.clip_norm(1.0), optclip.clip_norm(10.0), optclip.clip_value(1.5))
+    _, state = tx.update(GRADS, tx.init(PARAMS))
+    logged = optclip.stats(state)
+    assert set(logged) == {
+        "clip_norm/norm_max", "clip_norm/norm_mean", "clip_norm/clipped_frac",
+        "clip_norm/nonfinite", "clip_norm_1/norm_max", "clip_norm_1/norm_mean",
+        "clip_norm_1/clipped_frac", "clip_norm_1/nonfinite", "clip_value/max_abs_max",
+        "clip_value/max_abs_mean", "clip_value/clipped_frac", "clip_value/nonfinite"}
+    np.testing.assert_allclose(float(logged["clip_norm/norm_max"]), math.sqrt(24.0), rtol=1e-6)
+    assert float(logged["clip_norm/clipped_frac"]) == 1.0
+    np.testing.assert_allclose(float(logged["clip_norm_1/norm_max"]), 1.0, rtol=1e-6)
+    assert float(logged["clip_norm_1/clipped_frac"]) == 0.0
+    assert set(optclip.stats(optax.adam(1e-3).init(PARAMS))) == set()
+
+
+def test_nonfinite_step_keeps_the_last_finite_diagnostics_and_counts():
+    tx = optclip.clip_by_global_norm(1.0)
+    _, state = tx.update(GRADS, tx.init(PARAMS))
+    bad = {"w": GRADS["w"].at[0, 0].set(jnp.inf), "b": GRADS["b"]}
+    out, state = tx.update(bad, state)
+    logged = optclip.stats(state)
+    assert float(logged["clip_by_global_norm/norm"]) == 6.0
+    assert int(logged["clip_by_global_norm/nonfinite"]) == 1
+    assert np.isnan(np.asarray(out["w"][0, 0]))      # the output follows the formula
+
+
+@pytest.mark.parametrize("ord", [2, 1, 0, math.inf, -math.inf, "std", "sum", 3])
+def test_grouped_reductions_match_one_reduce_per_leaf(ord, monkeypatch):
+    rng = np.random.default_rng(2)
+    tree = [jnp.asarray(rng.normal(size=shape), dtype) for shape, dtype in
+            [((3, 4), jnp.float32)] * 40 + [((5,), jnp.float32)] * 3 + [((5,), jnp.bfloat16),
+                                                                        ((0, 2), jnp.float32)]]
+    ord = norms.canonical_ord(ord)
+    monkeypatch.setattr(norms, "_may_group", lambda: False)
+    per_leaf = jax.jit(lambda t: norms.global_norm(t, ord))(tree)
+    monkeypatch.setattr(norms, "_may_group", lambda: True)
+    grouped = jax.jit(lambda t: norms.global_norm(t, ord))(tree)
+    np.testing.assert_allclose(grouped, per_leaf, rtol=1e-6)
+    text = jax.jit(lambda t: norms.global_norm(t, ord)).lower(tree).as_text()
+    assert text.count("stablehlo.reduce") < 15          # 45 leaves (twice for std): a handful
+
+
+def test_no_grouping_when_several_devices_are_visible():
+    assert jax.device_count() == 8 and not norms._may_group()
