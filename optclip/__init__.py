@@ -24,7 +24,6 @@ from optclip.clipping import (
 # family: growth (issue 3)
 # family: history (issue 4)
 from optclip.history import (
-    Criterion,
     ema_criterion,
     hist_clip,
     max_clipping,
@@ -56,7 +55,6 @@ __all__ = [
     # ema.py
     # growth.py
     # history.py
-    "Criterion",
     "ema_criterion",
     "hist_clip",
     "max_clipping",

@@ -212,7 +212,7 @@ class Criterion:
       A fixed-multiple criterion (clip to twice the running mean of the norm):
 
       >>> import jax.numpy as jnp, optclip
-      >>> twice_mean = optclip.Criterion(
+      >>> twice_mean = optclip.history.Criterion(
       ...     init=lambda dtype: jnp.zeros((), dtype),
       ...     set_statistics=lambda mean_, mean, variance: mean,
       ...     should_clip=lambda mean, norm: norm > 2 * mean,
@@ -399,7 +399,7 @@ class HistClipState(NamedTuple):
     criterion: Any           # the criterion's state
     warmup_state: Any        # the warm-up transform's state (advanced only during warm-up)
     norm: jax.Array          # pre-clip global norm (last finite value)
-    threshold: jax.Array     # norm clipped to this call (inf: no limit)
+    threshold: jax.Array     # the criterion's clip value (the norm itself when not detected)
     scale: jax.Array         # factor the updates were multiplied by (1 during a custom warm-up)
     clipped: jax.Array       # bool: scale < 1
     spikes: jax.Array        # int32 calls clipped by the criterion
@@ -413,7 +413,7 @@ class ParamHistClipState(NamedTuple):
     criterion: Any           # criterion state, every entry of shape (F,)
     warmup_state: Any        # tuple of the warm-up transform's per-leaf states
     norm: Any                # per leaf (tree mirroring the updates): pre-clip norm
-    threshold: Any           # per leaf: norm clipped to (inf: no limit)
+    threshold: Any           # per leaf: the criterion's clip value
     scale: Any               # per leaf: factor applied
     clipped: Any             # per leaf: bool
     spikes: jax.Array        # int32 (leaf, call) pairs clipped by the criterion
@@ -473,7 +473,7 @@ def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_
             count=jnp.zeros([], jnp.int32),
             warmup_norms=jnp.zeros(batch + (buffer_size,), dtype),
             criterion=crit_state, warmup_state=inner,
-            norm=diag_tree(params, zeros), threshold=diag_tree(params, zeros + jnp.inf),
+            norm=diag_tree(params, zeros), threshold=diag_tree(params, zeros),
             scale=diag_tree(params, zeros + 1), clipped=diag_tree(params, zeros > 0),
             spikes=jnp.zeros([], jnp.int32), nonfinite=jnp.zeros([], jnp.int32))
 
@@ -517,7 +517,7 @@ def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_
         # drytorch feeds the raw norm back (D2); "clip_value" feeds ZClip-style the clip value.
         fed = jnp.where(should, value, norm) if feedback == "clip_value" else norm
         crit = _where_tree(warm, state.criterion, criterion.update(crit, fed))
-        threshold = jnp.where(should, value, jnp.inf).astype(dtype)
+        threshold = value.astype(dtype)
 
         if warmup_transform is None:  # drytorch GradNormClipper(1): torch's rule at 1.0
             warm_scale = _torch_clip_factor(jnp.ones((), dtype), norm)
@@ -533,20 +533,22 @@ def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_
                 warm_updates, crit_updates)
             inner = _where_tree(warm, inner, state.warmup_state)
             scale = jnp.where(warm, jnp.ones_like(crit_scale), crit_scale)
-            threshold = jnp.where(warm, jnp.full_like(threshold, jnp.inf), threshold)
+            threshold = jnp.where(warm, norm, threshold)
 
         finite = jnp.all(jnp.isfinite(norm))
         clipped = scale < 1
         # A non-finite norm leaves the whole state as it was (drytorch D8): only counted.
         keep = lambda new, old: _where_tree(finite, new, old)
+        last_finite = lambda new, old: stats_lib.keep_finite(
+            new, _stack_diag(old, per_leaf, dtype))
         return new_updates, state_cls(
             count=keep(jnp.minimum(count + 1, steps + 1), count),
             warmup_norms=keep(buffer, state.warmup_norms),
             criterion=keep(crit, state.criterion),
             warmup_state=keep(inner, state.warmup_state),
-            norm=diag_tree(updates, keep(norm, _stack_diag(state.norm, per_leaf, dtype))),
-            threshold=diag_tree(updates, threshold),
-            scale=diag_tree(updates, scale),
+            norm=diag_tree(updates, last_finite(norm, state.norm)),
+            threshold=diag_tree(updates, last_finite(threshold, state.threshold)),
+            scale=diag_tree(updates, last_finite(scale, state.scale)),
             clipped=diag_tree(updates, clipped),
             spikes=state.spikes + jnp.where(
                 finite, jnp.sum(~warm & should & clipped, dtype=jnp.int32), 0),
@@ -602,7 +604,9 @@ def hist_clip(
 
     Returns:
       An ``optax.GradientTransformation``. Its state logs the pre-clip ``norm``, the
-      ``threshold`` (clip value, ``inf`` when not clipped; 1.0 during the default warm-up),
+      ``threshold`` (the criterion's clip value, which is the norm itself when the
+      z-score criterion detects nothing; 1.0 during the default warm-up, the norm during a
+      custom one),
       ``scale``, ``clipped``, ``count`` (saturates at N + 1), ``spikes`` and ``nonfinite``.
 
     References:
@@ -679,7 +683,7 @@ class ZClipState(NamedTuple):
     mean: jax.Array          # EMA of the norm (0 until the warm-up ends)
     var: jax.Array           # EMA of the squared deviation (0 until the warm-up ends)
     norm: jax.Array          # pre-clip global norm (last finite value)
-    threshold: jax.Array     # largest norm let through this call (inf: no limit)
+    threshold: jax.Array     # ZClip's effective threshold (the norm itself when no limit)
     scale: jax.Array         # factor the updates were multiplied by
     clipped: jax.Array       # bool
     spikes: jax.Array        # int32 detected spikes
@@ -740,7 +744,8 @@ def zclip(
 
     Returns:
       An ``optax.GradientTransformation``. Its state logs ``norm`` (pre-clip), ``threshold``
-      (the largest norm let through this call, ``inf`` for none), ``scale``, ``clipped``,
+      (ZClip's effective threshold ``eff``; during the warm-up ``max_grad_norm``, or the norm
+      when it is ``None``), ``scale``, ``clipped``,
       ``mean``, ``var``, ``count``, ``spikes`` and ``nonfinite``.
 
     References:
@@ -785,7 +790,7 @@ def zclip(
         dtype = norms.stat_dtype()
         zero = jnp.zeros([], dtype)
         return ZClipState(jnp.zeros([], jnp.int32), jnp.zeros((steps,), dtype), zero, zero,
-                          zero, zero + jnp.inf, zero + 1, jnp.zeros([], bool),
+                          zero, zero, zero + 1, jnp.zeros([], bool),
                           jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
@@ -795,7 +800,6 @@ def zclip(
         count = state.count
         warm = count < steps
         cap = None if max_grad_norm is None else jnp.asarray(max_grad_norm, dtype)
-        no_limit = jnp.full((), jnp.inf, dtype)
 
         # Warm-up (§3.3 step 2): buffer the norm; the call that fills it starts the EMAs with
         # the buffer's mean and population variance.
@@ -831,9 +835,6 @@ def zclip(
         if skip_update_on_spike:
             new_mean = jnp.where(spike, mean, new_mean)
             new_var = jnp.where(spike, var, new_var)
-        allowed = jnp.where(spike, threshold, no_limit)
-        if cap is not None:
-            allowed = jnp.where(cap < allowed, cap, allowed)
 
         scale = jnp.where(warm, warm_scale, active_scale).astype(dtype)
         new_mean = jnp.where(warm, jnp.where(completes, init_mean, mean), new_mean)
@@ -845,8 +846,9 @@ def zclip(
             warmup_norms=keep(buffer, state.warmup_norms),
             mean=keep(new_mean.astype(dtype), mean), var=keep(new_var.astype(dtype), var),
             norm=keep(norm, state.norm),
-            threshold=jnp.where(warm, no_limit if cap is None else cap, allowed).astype(dtype),
-            scale=scale, clipped=scale < 1,
+            threshold=stats_lib.keep_finite(
+                jnp.where(warm, norm if cap is None else cap, eff).astype(dtype), state.threshold),
+            scale=stats_lib.keep_finite(scale, state.scale), clipped=scale < 1,
             spikes=state.spikes + (finite & ~warm & spike).astype(jnp.int32),
             nonfinite=state.nonfinite + (~finite).astype(jnp.int32))
 
@@ -865,7 +867,7 @@ class QuantileClipState(NamedTuple):
     filled: jax.Array     # int32 norms held, <= history_length
     history: jax.Array    # (history_length,) global, or (F, history_length) per leaf
     norm: Any             # pre-clip norm: scalar (global) or tree mirroring the updates
-    threshold: Any        # threshold in force (inf while the history is empty)
+    threshold: Any        # threshold in force (the norm itself while there is none)
     scale: Any            # factor applied
     clipped: Any          # bool
     nonfinite: jax.Array  # int32 calls with a non-finite norm (state left unchanged)
@@ -925,7 +927,7 @@ def _autoclip(threshold_fn, history_length, global_threshold, state_cls):
         return state_cls(
             jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32),
             jnp.zeros(batch + (history_length,), dtype),
-            diag_tree(params, zeros), diag_tree(params, zeros + jnp.inf),
+            diag_tree(params, zeros), diag_tree(params, zeros),
             diag_tree(params, zeros + 1), diag_tree(params, zeros > 0),
             jnp.zeros([], jnp.int32))
 
@@ -945,13 +947,15 @@ def _autoclip(threshold_fn, history_length, global_threshold, state_cls):
         finite = jnp.all(jnp.isfinite(norm))
         # autoclip records inf/NaN norms, poisoning the window for history_length calls (A4).
         keep = lambda new, old: jnp.where(finite, new, old)
-        old_norm = state.norm if global_threshold else _stack(jax.tree.leaves(state.norm), dtype)
+        last_finite = lambda new, old: stats_lib.keep_finite(new, _stack_diag(old, per_leaf, dtype))
         return _scale_leaves(updates, scale), state_cls(
             pos=keep((state.pos + 1) % history_length, state.pos),
             filled=keep(jnp.minimum(state.filled + 1, history_length), state.filled),
             history=keep(history, state.history),
-            norm=diag_tree(updates, keep(norm, old_norm)),
-            threshold=diag_tree(updates, threshold), scale=diag_tree(updates, scale),
+            norm=diag_tree(updates, last_finite(norm, state.norm)),
+            threshold=diag_tree(updates, last_finite(
+                jnp.where(jnp.isinf(threshold), norm, threshold), state.threshold)),
+            scale=diag_tree(updates, last_finite(scale, state.scale)),
             clipped=diag_tree(updates, scale < 1),
             nonfinite=state.nonfinite + (~finite).astype(jnp.int32))
 
@@ -976,8 +980,9 @@ def quantile_clip(
       global_threshold: one history of the global norm instead of one per leaf.
 
     Returns:
-      An ``optax.GradientTransformation`` whose state logs ``norm``, ``threshold``, ``scale``,
-      ``clipped`` (per leaf in local mode), ``filled`` and ``nonfinite``.
+      An ``optax.GradientTransformation`` whose state logs ``norm``, ``threshold`` (the norm
+      itself while there is none), ``scale``, ``clipped`` (per leaf in local mode), ``filled``
+      and ``nonfinite``.
 
     References:
       autoclip 0.2.1 ``QuantileClip`` (spec/adaptive.md §5); Seetharaman et al., "AutoClip:
@@ -1028,8 +1033,9 @@ def standard_clip(
         gradient of the second call into NaN (A2).
 
     Returns:
-      An ``optax.GradientTransformation`` whose state logs ``norm``, ``threshold``, ``scale``,
-      ``clipped`` (per leaf in local mode), ``filled`` and ``nonfinite``.
+      An ``optax.GradientTransformation`` whose state logs ``norm``, ``threshold`` (the norm
+      itself while there is none), ``scale``, ``clipped`` (per leaf in local mode), ``filled``
+      and ``nonfinite``.
 
     References:
       autoclip 0.2.1 ``StandardClip`` (spec/adaptive.md §5; A1, A2). Differences as for
