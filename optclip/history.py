@@ -209,17 +209,23 @@ class Criterion:
       name: a label for repr and docs.
 
     Example:
-      A fixed-multiple criterion (clip to twice the running mean of the norm):
+      A fixed-multiple criterion (clip to twice the running mean of the norm; its state is
+      just the mean):
 
-      >>> import jax.numpy as jnp, optclip
+      >>> import jax.numpy as jnp, optax, optclip
       >>> twice_mean = optclip.history.Criterion(
       ...     init=lambda dtype: jnp.zeros((), dtype),
-      ...     set_statistics=lambda mean_, mean, variance: mean,
+      ...     set_statistics=lambda old_mean, mean, variance: mean,
       ...     should_clip=lambda mean, norm: norm > 2 * mean,
       ...     clip_value=lambda mean, norm: 2 * mean,
       ...     update=lambda mean, norm: 0.9 * mean + 0.1 * norm,
       ...     name="twice_mean")
       >>> tx = optclip.hist_clip(twice_mean, warmup_steps=2)
+      >>> state = tx.init({"w": jnp.zeros(2)})
+      >>> for s in [1.0, 1.0, 1.0, 5.0]:
+      ...     out, state = tx.update({"w": jnp.array([0.6, 0.8]) * s}, state)
+      >>> round(float(optax.tree.norm(out)), 4), round(float(state.criterion), 4)
+      (2.0, 1.4)
     """
 
     init: Callable[[Any], Any]

@@ -917,3 +917,23 @@ def test_ema_mean_clipping_fixed_clips_to_mean():
     assert float(crit.clip_value(state, 5.0)) == 2.0
     ref = ema(clip_fn=mn, parity="reference")
     assert float(ref.clip_value(state, 5.0)) == 0.0
+
+
+@pytest.mark.parametrize("make", [optclip.hist_clip, optclip.param_hist_clip],
+                         ids=lambda f: f.__name__)
+def test_stateful_warmup_transform_advances_only_during_warmup(make):
+    """The warm-up transform's state lives inside ours; its outputs during the warm-up equal
+    the transform run on its own (per leaf for param_hist_clip), and it stops afterwards."""
+    inner = optax.scale_by_adam()
+    tx = make(optclip.zscore_criterion(), inner, 3)
+    seq = family_seq(np.random.default_rng(2))[:6]
+    outs, state = run_loop(tx, seq, jax.jit(tx.update))
+    if make is optclip.param_hist_clip:
+        alone = {k: run_loop(inner, [g[k] for g in seq[:3]])[0] for k in ("w", "b")}
+        alone = [{k: alone[k][t] for k in alone} for t in range(3)]
+        counts = [int(s.count) for s in state.warmup_state]
+    else:
+        alone = run_loop(inner, seq[:3])[0]
+        counts = [int(state.warmup_state.count)]
+    chex.assert_trees_all_close(outs[:3], alone, rtol=1e-6)
+    assert counts == [3] * len(counts)
