@@ -133,26 +133,30 @@ def g_tree(rows, dtype):
 
 
 @functools.cache
-def scanner(makes: tuple):
-    """One jitted scan running the transforms built by ``makes`` side by side (cached).
-
-    Returns ``go(grads) -> (outputs per transform, states per transform and call)``.
+def multi_scanner(makes: tuple):
+    """One jitted scan running the transforms built by ``makes`` side by side (cached), each on
+    its own stacked inputs: ``go(inputs) -> (outputs, states after every call)``, per transform.
     """
     txs = [make() for make in makes]
 
     @jax.jit
-    def go(grads):
-        first = jax.tree.map(lambda x: x[0], grads)
-
-        def step(states, g):
-            outs, new = zip(*(tx.update(g, s) for tx, s in zip(txs, states, strict=True)),
+    def go(inputs):
+        def step(states, gs):
+            outs, new = zip(*(tx.update(g, s) for tx, g, s in zip(txs, gs, states, strict=True)),
                             strict=True)
             return new, (outs, new)
 
-        _, (outs, states) = jax.lax.scan(step, tuple(tx.init(first) for tx in txs), grads)
-        return outs, states
+        init = tuple(tx.init(jax.tree.map(lambda x: x[0], g))
+                     for tx, g in zip(txs, inputs, strict=True))
+        return jax.lax.scan(step, init, tuple(inputs))[1]
 
     return go
+
+
+def scanner(makes: tuple):
+    """Like ``multi_scanner``, every transform on the same inputs: ``go(grads)``."""
+    go = multi_scanner(makes)
+    return lambda grads: go((grads,) * len(makes))
 
 
 def run_scan(make, grads):
@@ -342,20 +346,8 @@ def edge_seq(xs, dtype):
 def run_edges():
     """Every EDGE case on its own inputs, in one jitted scan (float64)."""
     with enable_x64(True):
-        txs = [make() for _, make, _, _ in EDGE]
-        inputs = tuple(edge_seq(xs, jnp.float64) for _, _, xs, _ in EDGE)
-
-        @jax.jit
-        def go(inputs):
-            def step(states, gs):
-                outs, new = zip(*(tx.update(g, s) for tx, g, s in zip(txs, gs, states,
-                                                                      strict=True)), strict=True)
-                return new, (outs, new)
-            first = [jax.tree.map(lambda x: x[0], g) for g in inputs]
-            init = tuple(tx.init(g) for tx, g in zip(txs, first, strict=True))
-            return jax.lax.scan(step, init, inputs)[1]
-
-        outs, states = go(inputs)
+        outs, states = multi_scanner(tuple(make for _, make, _, _ in EDGE))(
+            tuple(edge_seq(xs, jnp.float64) for _, _, xs, _ in EDGE))
     return {case[0]: (np.asarray(out["x"])[:, 0], state)
             for case, out, state in zip(EDGE, outs, states, strict=True)}
 
@@ -711,19 +703,14 @@ def test_jit_eager_nonfinite_checkpoint(name):
 def test_default_instances_share_no_state(make):
     """Two instances built with defaults, used alternately, behave like separate ones (D1)."""
     rng = np.random.default_rng(11)
-    seq = family_seq(rng, 30)
-    big = [jax.tree.map(lambda x: 10 * x, g) for g in seq]
-    first, second = make(), make()
-    u1, u2 = jax.jit(first.update), jax.jit(second.update)
-    alone1, _ = run_loop(first, seq, u1)
-    alone2, _ = run_loop(second, big, u2)
-    s1, s2 = first.init(seq[0]), second.init(seq[0])
-    for t, (g, h) in enumerate(zip(seq, big, strict=True)):
-        o1, s1 = u1(g, s1)
-        o2, s2 = u2(h, s2)
-        chex.assert_trees_all_equal(o1, alone1[t])
-        chex.assert_trees_all_equal(o2, alone2[t])
-    assert int(s1.nonfinite) == 0 and not np.array_equal(np.asarray(o1["w"]), np.asarray(o2["w"]))
+    ns = spiky_norms(rng, 30, [9, 13, 27])
+    seq = jax.tree.map(jnp.asarray, grads_with_norms(rng, ns))
+    big = jax.tree.map(lambda x: 10 * x, seq)
+    # Four instances side by side in one scan, each call updating all of them: the first two
+    # interleaved on G and 10 G, the last two on their own.
+    outs, _ = multi_scanner((make,) * 4)((seq, big, seq, big))
+    chex.assert_trees_all_equal(outs[0], outs[2])
+    chex.assert_trees_all_equal(outs[1], outs[3])
 
 
 def test_criterion_is_immutable():
@@ -801,27 +788,6 @@ PROPERTY_CRITERIA = {
 norm_lists = st.lists(st.floats(0.05, 50.0), min_size=24, max_size=24)
 
 
-def trace(make, ns):
-    """Input norms, output norms and per-call states of ``make()`` on gradients of norms ns."""
-    grads = {"w": jnp.asarray(np.asarray(ns, np.float32)[:, None] * np.array([0.6, 0.8],
-                                                                           np.float32))}
-    outs, states = scanner((make,))(grads)
-    norm = lambda x: np.sqrt(np.sum(np.asarray(x, np.float64) ** 2, axis=-1))
-    return norm(grads["w"]), norm(outs[0]["w"]), states[0]
-
-
-@given(norm_lists, st.sampled_from(list(PROPERTY_CRITERIA)))
-def test_property_threshold_not_below_mean(ns, kind):
-    """A clipped call never goes below the running mean (every clip value is >= the mean;
-    ema/recip: >= r**2 mean**2 / n), and nothing is ever scaled up."""
-    pre, out, states = trace(PROPERTY_CRITERIA[kind], ns)
-    means = np.asarray(states.mean if kind == "zclip" else states.criterion.mean, np.float64)
-    means = np.concatenate([[np.mean(pre[:4])], means[4:-1]])  # mean in force at calls 5..24
-    floors = 1.05 ** 2 * means ** 2 / pre[4:] if kind == "ema/recip" else means
-    assert np.all(out[4:] >= np.minimum(pre[4:], floors) * (1 - 1e-5) - 1e-6)
-    assert np.all(out <= pre * (1 + 1e-6))
-
-
 WARMUP_CASES = [
     (lambda: optclip.hist_clip(warmup_transform=optax.identity(), warmup_steps=10),
      lambda n: n),
@@ -832,14 +798,38 @@ WARMUP_CASES = [
     (lambda: optclip.zclip(warmup_steps=10, max_grad_norm=2.0),
      lambda n: n * np.minimum(1, 2 / (n + 1e-6))),
 ]
+PROPERTY_MAKES = tuple(PROPERTY_CRITERIA.values()) + tuple(make for make, _ in WARMUP_CASES)
 
 
-@given(norm_lists, st.sampled_from(range(len(WARMUP_CASES))))
-def test_property_warmup_only_warmup_transform(ns, case):
+def trace(ns):
+    """Input norms, and per transform of PROPERTY_MAKES the output norms and per-call states,
+    on gradients of norms ``ns`` (one compiled scan for all of them)."""
+    grads = {"w": jnp.asarray(np.asarray(ns, np.float32)[:, None] * np.array([0.6, 0.8],
+                                                                           np.float32))}
+    outs, states = scanner(PROPERTY_MAKES)(grads)
+    norm = lambda x: np.sqrt(np.sum(np.asarray(x, np.float64) ** 2, axis=-1))
+    return norm(grads["w"]), [(norm(o["w"]), s) for o, s in zip(outs, states, strict=True)]
+
+
+@given(norm_lists)
+def test_property_threshold_not_below_mean(ns):
+    """A clipped call never goes below the running mean (every clip value is >= the mean;
+    ema/recip: >= r**2 mean**2 / n), and nothing is ever scaled up."""
+    pre, results = trace(ns)
+    for kind, (out, states) in zip(PROPERTY_CRITERIA, results, strict=False):
+        means = np.asarray(states.mean if kind == "zclip" else states.criterion.mean, np.float64)
+        means = np.concatenate([[np.mean(pre[:4])], means[4:-1]])  # in force at calls 5..24
+        floors = 1.05 ** 2 * means ** 2 / pre[4:] if kind == "ema/recip" else means
+        assert np.all(out[4:] >= np.minimum(pre[4:], floors) * (1 - 1e-5) - 1e-6), kind
+        assert np.all(out <= pre * (1 + 1e-6)), kind
+
+
+@given(norm_lists)
+def test_property_warmup_only_warmup_transform(ns):
     """During the warm-up nothing but the warm-up transform acts."""
-    make, warm = WARMUP_CASES[case]
-    pre, out, _ = trace(make, ns)
-    np.testing.assert_allclose(out[:10], warm(pre[:10]), rtol=1e-5)
+    pre, results = trace(ns)
+    for (_, warm), (out, _) in zip(WARMUP_CASES, results[len(PROPERTY_CRITERIA):], strict=True):
+        np.testing.assert_allclose(out[:10], warm(pre[:10]), rtol=1e-5)
 
 
 def test_float16_norm_accumulates_wide():
@@ -857,17 +847,19 @@ def test_float16_norm_accumulates_wide():
         assert np.isfinite(np.asarray(out["w"], np.float32)).all()
 
 
-@pytest.mark.parametrize("make", DEFAULTS, ids=lambda f: f.__name__)
-def test_empty_and_odd_trees(make):
+def test_empty_and_odd_trees():
     """Empty trees, None / MaskedNode / integer / 0-d / zero-size leaves."""
-    tx = make()
-    out, _ = tx.update({}, tx.init({}))
-    assert out == {}
+    for make in DEFAULTS:
+        tx = make()
+        out, _ = tx.update({}, tx.init({}))
+        assert out == {}
     tree = {"a": None, "m": optax.MaskedNode(), "i": jnp.arange(3), "s": jnp.float32(0.5),
             "z": jnp.zeros((0, 3))}
-    out, state = jax.jit(tx.update)(tree, tx.init(tree))
-    chex.assert_trees_all_equal(out, tree)
-    assert int(state.nonfinite) == 0
+    txs = [make() for make in DEFAULTS]
+    results = jax.jit(lambda t: [tx.update(t, tx.init(t)) for tx in txs])(tree)
+    for out, state in results:
+        chex.assert_trees_all_equal(out, tree)
+        assert int(state.nonfinite) == 0
 
 
 BAD_ARGS = [
