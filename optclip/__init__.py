@@ -21,7 +21,11 @@ from optclip.clipping import (
 )
 
 # family: ema (issue 3)
+from optclip.ema import clip_norm_by_ema, clip_value_by_ema, normalize_by_ema
+
 # family: growth (issue 3)
+from optclip.growth import clip_norm_growth, clip_value_growth
+
 # family: history (issue 4)
 from optclip.history import (
     ema_criterion,
@@ -53,7 +57,12 @@ __all__ = [
     "normalize_grads",
     "zscore_normalize",
     # ema.py
+    "clip_norm_by_ema",
+    "clip_value_by_ema",
+    "normalize_by_ema",
     # growth.py
+    "clip_norm_growth",
+    "clip_value_growth",
     # history.py
     "ema_criterion",
     "hist_clip",

@@ -307,7 +307,7 @@ def clip_by_global_norm(max_norm: ScalarOrSchedule = 1.0, ord: Ord = 2
       >>> tx = optclip.clip_by_global_norm(1.0)
       >>> g = {"a": jnp.array([3.0, 4.0]), "b": jnp.array(12.0)}
       >>> out, state = tx.update(g, tx.init(g))
-      >>> round(float(optax.global_norm(out)), 5), float(state.norm)
+      >>> round(float(optax.tree.norm(out)), 5), float(state.norm)
       (1.0, 13.0)
     """
     checks.positive("max_norm", max_norm, allow_schedule=True)

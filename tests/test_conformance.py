@@ -170,3 +170,28 @@ def test_sharded_run_matches_unsharded(entry):
     chex.assert_trees_all_close(sharded_state, plain_state, rtol=entry.rtol, atol=1e-6)
     for out, g in zip(jax.tree.leaves(sharded_out[-1]), jax.tree.leaves(sharded_grads[-1])):
         assert out.sharding.is_equivalent_to(g.sharding, g.ndim), (out.sharding, g.sharding)
+
+
+@entries
+def test_vmap_per_example_inside_scan_matches_the_loop(entry):
+    """Convention 1: per-example use under ``jax.vmap``, steps under ``jax.lax.scan``."""
+    tx, update = _compiled(entry.name)
+    params = _params(entry)
+    examples = [_grads(entry), [entry.tree(jnp.float32, seed) for seed in range(20, 20 + STEPS)]]
+    expected = [_run(update, tx.init(params), grads, params)[0] for grads in examples]
+
+    batch = lambda trees: jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+    stacked = batch([batch(grads) for grads in examples])            # (example, step, ...)
+    steps_first = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), stacked)
+    batched_params = batch([params, params])
+    state = jax.vmap(tx.init)(batched_params)
+
+    def body(state, grads):
+        out, state = jax.vmap(tx.update)(grads, state, batched_params)
+        return state, out
+
+    _, outs = jax.jit(lambda s, g: jax.lax.scan(body, s, g))(state, steps_first)
+    for example, loop_outs in enumerate(expected):
+        for step, loop_out in enumerate(loop_outs):
+            chex.assert_trees_all_close(jax.tree.map(lambda x: x[step, example], outs), loop_out,
+                                        rtol=entry.rtol, atol=1e-6)
