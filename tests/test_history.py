@@ -331,6 +331,23 @@ EDGE = [
 
 EDGE.append(("E3 fixed", lambda: optclip.hist_clip(ema(), optax.identity(), 1),
              [0, 1, 1, 1], [0, 1, 1, 1]))
+# E8, E11, E12 with the non-finite fix: the inf/NaN call's own output follows the formula
+# (inf * 0 = NaN), and the call is not recorded, so later calls match the run without it.
+_E11 = [1, 1.2, 0.9, 1.1, math.inf, 1, 5]
+EDGE += [
+    ("E11 fixed", lambda: optclip.hist_clip(warmup_transform=optax.identity(), warmup_steps=3),
+     _E11, None),
+    ("E11 NaN fixed", lambda: optclip.hist_clip(warmup_transform=optax.identity(),
+                                                warmup_steps=3),
+     _E11[:4] + [math.nan] + _E11[5:], None),
+    # E12: the warm-up outputs, call 4 and the capped call 7 are the spec's own numbers.
+    ("E12 fixed", lambda: optclip.zclip(warmup_steps=3),
+     _E11, [0.9999990000010001, 0.9999991666673611, 0.9, 0.9999990909099175, math.nan, 1,
+            0.99999980000004]),
+    ("E12 nocap fixed", lambda: optclip.zclip(warmup_steps=3, max_grad_norm=None), _E11, None),
+    ("E8 fixed", lambda: optclip.quantile_clip(history_length=3, global_threshold=True),
+     [1, 1.1, math.inf, 1, 0.9, 1.2, 1], None),
+]
 EDGE_CALLS = 8
 
 
@@ -505,10 +522,16 @@ def oracle_autoclip(ns, kind="quantile", q=0.9, dev=2.0, length=1000, add_mean=F
 
 
 def oracle(name, inputs):
-    if name in ("E2 fixed", "E4 fixed"):
-        scales = oracle_zclip(inputs, cap=None, warmup=3)
-        return [x * s for x, s in zip(inputs, scales, strict=True)]
-    raise KeyError(name)
+    """Expected first-element outputs of an EDGE case (NaN where the formula gives inf * 0)."""
+    scales = {
+        "E2 fixed": lambda: oracle_zclip(inputs, cap=None, warmup=3),
+        "E4 fixed": lambda: oracle_zclip(inputs, cap=None, warmup=3),
+        "E11 fixed": lambda: oracle_hist(inputs, steps=3, warm=None),
+        "E11 NaN fixed": lambda: oracle_hist(inputs, steps=3, warm=None),
+        "E12 nocap fixed": lambda: oracle_zclip(inputs, cap=None, warmup=3),
+        "E8 fixed": lambda: oracle_autoclip(inputs, q=0.9, length=3),
+    }[name]()
+    return [math.nan if s is None else x * s for x, s in zip(inputs, scales, strict=True)]
 
 
 def spiky_norms(rng, length, spikes):
