@@ -27,6 +27,19 @@ from optclip.ema import clip_norm_by_ema, clip_value_by_ema, normalize_by_ema
 from optclip.growth import clip_norm_growth, clip_value_growth
 
 # family: history (issue 4)
+from optclip.history import (
+    ema_criterion,
+    hist_clip,
+    max_clipping,
+    mean_clipping,
+    param_hist_clip,
+    quantile_clip,
+    reciprocal_clipping,
+    standard_clip,
+    zclip,
+    zscore_criterion,
+)
+
 # family: lp_space (issue 5)
 from optclip.lp_space import (
     clamp,
@@ -67,6 +80,16 @@ __all__ = [
     "clip_norm_growth",
     "clip_value_growth",
     # history.py
+    "ema_criterion",
+    "hist_clip",
+    "max_clipping",
+    "mean_clipping",
+    "param_hist_clip",
+    "quantile_clip",
+    "reciprocal_clipping",
+    "standard_clip",
+    "zclip",
+    "zscore_criterion",
     # lp_space.py
     "clamp",
     "clamp_params",
