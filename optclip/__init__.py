@@ -21,9 +21,42 @@ from optclip.clipping import (
 )
 
 # family: ema (issue 3)
+from optclip.ema import clip_norm_by_ema, clip_value_by_ema, normalize_by_ema
+
 # family: growth (issue 3)
+from optclip.growth import clip_norm_growth, clip_value_growth
+
 # family: history (issue 4)
+from optclip.history import (
+    ema_criterion,
+    hist_clip,
+    max_clipping,
+    mean_clipping,
+    param_hist_clip,
+    quantile_clip,
+    reciprocal_clipping,
+    standard_clip,
+    zclip,
+    zscore_criterion,
+)
+
 # family: lp_space (issue 5)
+from optclip.lp_space import (
+    clamp,
+    clamp_params,
+    frank_wolfe,
+    l1_frank_wolfe,
+    l1_normalize,
+    l1q_frank_wolfe,
+    l1q_normalize,
+    l2_frank_wolfe,
+    l2_normalize,
+    linf_frank_wolfe,
+    project_l2_ball,
+    project_linf_ball,
+    sign,
+    top_q,
+)
 
 __version__ = "0.1.0"
 
@@ -40,7 +73,36 @@ __all__ = [
     "normalize_grads",
     "zscore_normalize",
     # ema.py
+    "clip_norm_by_ema",
+    "clip_value_by_ema",
+    "normalize_by_ema",
     # growth.py
+    "clip_norm_growth",
+    "clip_value_growth",
     # history.py
+    "ema_criterion",
+    "hist_clip",
+    "max_clipping",
+    "mean_clipping",
+    "param_hist_clip",
+    "quantile_clip",
+    "reciprocal_clipping",
+    "standard_clip",
+    "zclip",
+    "zscore_criterion",
     # lp_space.py
+    "clamp",
+    "clamp_params",
+    "frank_wolfe",
+    "l1_frank_wolfe",
+    "l1_normalize",
+    "l1q_frank_wolfe",
+    "l1q_normalize",
+    "l2_frank_wolfe",
+    "l2_normalize",
+    "linf_frank_wolfe",
+    "project_l2_ball",
+    "project_linf_ball",
+    "sign",
+    "top_q",
 ]

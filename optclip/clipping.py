@@ -72,12 +72,8 @@ class GlobalNormalizeState(NamedTuple):
     nonfinite: jax.Array
 
 
-def _zeros_like_shapes(tree: Any) -> Any:
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
-
-
 def _count_nonfinite(nonfinite: jax.Array, measured: Any) -> jax.Array:
-    return nonfinite + (~stats_lib.all_finite(measured)).astype(jnp.int32)
+    return stats_lib.count_nonfinite(nonfinite, stats_lib.all_finite(measured))
 
 
 def _check_slices(ord: Ord, dim: Dim, inverse_dims: bool, min_size: int) -> float | str:
@@ -262,7 +258,7 @@ def clip_value(value: ScalarOrSchedule) -> optax.GradientTransformation:
             norms.acc_dtype(g.dtype)) if norms.is_float(g) else None, tree)
 
     def init_fn(params):
-        zeros = _zeros_like_shapes(jax.eval_shape(max_abs, params))
+        zeros = stats_lib.zeros_like_shapes(jax.eval_shape(max_abs, params))
         return ClipValueState(jnp.zeros([], jnp.int32), zeros,
                               jax.tree.map(lambda z: jnp.zeros((), bool), zeros),
                               jnp.zeros([], jnp.int32))
@@ -307,7 +303,7 @@ def clip_by_global_norm(max_norm: ScalarOrSchedule = 1.0, ord: Ord = 2
       >>> tx = optclip.clip_by_global_norm(1.0)
       >>> g = {"a": jnp.array([3.0, 4.0]), "b": jnp.array(12.0)}
       >>> out, state = tx.update(g, tx.init(g))
-      >>> round(float(optax.global_norm(out)), 5), float(state.norm)
+      >>> round(float(optax.tree.norm(out)), 5), float(state.norm)
       (1.0, 13.0)
     """
     checks.positive("max_norm", max_norm, allow_schedule=True)
@@ -383,7 +379,7 @@ def clip_norm(
         return _clip_grad_norm(tree, bound, ord, dim, inverse_dims, min_size, None)[:2]
 
     def init_fn(params):
-        zeros = _zeros_like_shapes(jax.eval_shape(lambda p: measure(p, 1.0)[1], params))
+        zeros = stats_lib.zeros_like_shapes(jax.eval_shape(lambda p: measure(p, 1.0)[1], params))
         return ClipNormState(jnp.zeros([], jnp.int32), zeros,
                              jax.tree.map(lambda z: jnp.zeros(z.shape, bool), zeros),
                              jnp.zeros([], jnp.int32))
@@ -444,7 +440,7 @@ def normalize(
     state_cls = GlobalNormalizeState if dim == axes_lib.GLOBAL else NormalizeState
 
     def init_fn(params):
-        zeros = _zeros_like_shapes(jax.eval_shape(lambda p: measure(p, 1.0)[1], params))
+        zeros = stats_lib.zeros_like_shapes(jax.eval_shape(lambda p: measure(p, 1.0)[1], params))
         return state_cls(jnp.zeros([], jnp.int32), zeros, jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):

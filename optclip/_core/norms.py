@@ -98,6 +98,16 @@ def slice_norm(x: jax.Array, ord: float | str, axes: tuple[int, ...]) -> jax.Arr
     return jnp.sum(jnp.abs(x) ** ord, **reduce) ** (1.0 / ord)
 
 
+def metric_defined(ord: float | str, size: int) -> bool:
+    """Whether a group of ``size`` elements has a metric worth scaling by.
+
+    ``'std'``/``'var'`` (ddof=1) need two elements (torchzero returns NaN there:
+    spec/torchzero.md §4 D9); an empty group has nothing to measure (``'mad'`` would be 0/0,
+    negative orders infinite).
+    """
+    return size > 0 and not (ord in ("std", "var") and size < 2)
+
+
 def leaf_norm(x: jax.Array, ord: float | str) -> jax.Array:
     """Metric of a whole leaf as a 0-d array in the wide dtype."""
     return slice_norm(x, ord, tuple(range(x.ndim))).reshape(())
@@ -230,6 +240,17 @@ def scale(x: jax.Array, factor: jax.Array) -> jax.Array:
     return (_wide(x) * factor.astype(acc_dtype(x.dtype))).astype(x.dtype)
 
 
+def divide(x: jax.Array, divisor: jax.Array) -> jax.Array:
+    """``x / divisor`` computed in the wide dtype and cast back to ``x``'s dtype.
+
+    For references that divide by a precomputed divisor rather than multiply by its inverse
+    (torchzero's EMA and growth clippers, spec/torchzero.md §5): the last bit can differ.
+    """
+    if not is_float(x):
+        return x
+    return (_wide(x) / divisor.astype(acc_dtype(x.dtype))).astype(x.dtype)
+
+
 def scale_slices(
     tree: Any,
     ord: float | str,
@@ -263,3 +284,15 @@ def tree_unzip(fn: Callable[[Any], tuple], tree: Any, n: int) -> tuple[Any, ...]
     leaves, treedef = jax.tree.flatten(tree)
     results = [fn(x) for x in leaves]
     return tuple(treedef.unflatten([r[i] for r in results]) for i in range(n))
+
+
+def flatten_with(tree: Any, *others: Any) -> tuple[list, list[list], Any]:
+    """Leaves of ``tree`` (``None`` kept as a leaf) and the matching entries of ``others``.
+
+    ``others`` are trees built from ``tree`` by a ``jax.tree.map`` that returns ``None`` for
+    some leaves (e.g. per-leaf state with ``None`` for integer leaves); they are flattened up
+    to ``tree``'s structure, so position ``i`` of every list belongs to the same leaf. Returns
+    ``(leaves, [other_leaves, ...], treedef)``; ``treedef.unflatten`` rebuilds any of them.
+    """
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: x is None)
+    return leaves, [treedef.flatten_up_to(other) for other in others], treedef

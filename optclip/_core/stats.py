@@ -92,3 +92,23 @@ def all_finite(tree: Any) -> jax.Array:
     checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
               if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
     return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)
+
+
+def keep_if(ok: jax.Array, new: Any, old: Any) -> Any:
+    """Whole-step gate: ``new`` where the scalar ``ok`` holds, else ``old``, leaf by leaf.
+
+    For states whose statistics belong together (an EMA and its norm, a reference update): a
+    non-finite step leaves all of them as they were, so the next step continues as if the bad
+    one had not happened.
+    """
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+
+def zeros_like_shapes(shapes: Any) -> Any:
+    """Zeros for a tree of ``jax.ShapeDtypeStruct`` (``jax.eval_shape`` of a diagnostic)."""
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def count_nonfinite(nonfinite: jax.Array, finite: jax.Array) -> jax.Array:
+    """The ``nonfinite`` counter after a step whose updates were ``finite`` (a scalar bool)."""
+    return nonfinite + (~finite).astype(jnp.int32)

@@ -1,0 +1,294 @@
+"""Growth clippers: bound each update by the previous one.
+
+References: torchzero 0.4.4 ``ClipValueGrowth`` and ``ClipNormGrowth`` (spec/torchzero.md §2.7,
+§2.8), with the parameter names of torchzero's documented API (``parameterwise``; spec §3).
+
+The stored reference (the previous update per element, or its norm) is kept in float32 for
+bf16/f16 leaves (float64 for float64 leaves). A step whose updates are not finite leaves the
+state as it was, so the next finite step is compared with the last finite one; ``nonfinite``
+counts such steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optclip._core import checks, norms
+from optclip._core import stats as stats_lib
+from optclip._core.norms import Ord
+from optclip.ema import commit_step
+
+__all__ = ["ClipNormGrowthGlobalState", "ClipNormGrowthState", "ClipValueGrowthState",
+           "clip_norm_growth", "clip_value_growth"]
+
+# torchzero floors the elementwise growth ratio here (spec §2.7 step 2).
+_MIN_RATIO = 1e-8
+
+
+@stats_lib.diagnostic("clip_value_growth", ("max_ratio", "clipped", "nonfinite"),
+                      per_leaf=("max_ratio", "clipped"))
+class ClipValueGrowthState(NamedTuple):
+    count: jax.Array      # int32 finite steps taken (0: the next finite step is stored as is)
+    prev: Any             # per leaf: the reference update (leaf shape, float32 or wider)
+    max_ratio: Any        # per leaf: largest |x| / max(|prev|, min_value) of the last step
+    clipped: Any          # per leaf: whether any element was limited
+    nonfinite: jax.Array  # int32 steps whose updates were not finite (state left unchanged)
+
+
+_NORM_FIELDS = ("norm", "prev_norm", "divisor", "clipped", "nonfinite")
+
+
+@stats_lib.diagnostic("clip_norm_growth", _NORM_FIELDS,
+                      per_leaf=("norm", "prev_norm", "divisor", "clipped"))
+class ClipNormGrowthState(NamedTuple):
+    """State of :func:`clip_norm_growth` with ``parameterwise=True`` (per-leaf scalars)."""
+
+    count: jax.Array
+    prev_norm: Any        # per leaf: the reference norm for the next step
+    norm: Any             # per leaf: norm of the last finite update
+    divisor: Any          # what that update was divided by
+    clipped: Any          # divisor > 1
+    nonfinite: jax.Array
+
+
+@stats_lib.diagnostic("clip_norm_growth", _NORM_FIELDS)
+class ClipNormGrowthGlobalState(ClipNormGrowthState):
+    """State of :func:`clip_norm_growth` with ``parameterwise=False`` (one scalar each)."""
+
+
+def _check_growth_args(add, mul, min_value, max_decay) -> None:
+    checks.non_negative("add", add, allow_none=True)
+    checks.positive("mul", mul, allow_none=True)
+    checks.positive("min_value", min_value, allow_none=True)
+    checks.positive("max_decay", max_decay, allow_none=True)
+
+
+def _const(value, like: jax.Array) -> jax.Array:
+    return jnp.asarray(value).astype(like.dtype)
+
+
+def clip_value_growth(
+    add: float | None = None,
+    mul: float | None = 1.5,
+    min_value: float | None = 1e-4,
+    max_decay: float | None = 2.0,
+) -> optax.GradientTransformation:
+    """Limit how fast each element of the updates may grow relative to the previous update.
+
+    The first update passes unchanged and becomes the reference ``p``. Then, elementwise::
+
+        if add:  |x| <- min(|x|, |p| + add)                  (sign kept)
+        m = max(|p|, min_value);  r = max(|x| / m, 1e-8)     (measured before the next line)
+        if mul and r > mul:  x <- x / (r / mul)              (so |x| = mul * m)
+        p <- p / max_decay  if r < 1 / max_decay  else x     (the reference decays slowly)
+
+    With ``add`` and ``mul`` both ``None`` the transform is the identity.
+
+    Args:
+      add: ``>= 0`` or ``None``: additive cap, ``|x| <= |p| + add``.
+      mul: ``> 0`` or ``None``: multiplicative cap, ``|x| <= mul * max(|p|, min_value)``.
+      min_value: ``> 0`` or ``None``: floor of the reference magnitude in the multiplicative cap
+        and the decay test. Without it an element whose reference is 0 stays 0.
+      max_decay: ``> 0`` or ``None``: the reference shrinks by at most this factor per step
+        (the decayed reference keeps its sign and is not floored).
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state logs, per leaf, the largest growth ratio
+      ``max_ratio`` (before the multiplicative cap), ``clipped`` and ``nonfinite``.
+
+    References:
+      torchzero ``ClipValueGrowth`` (spec/torchzero.md §2.7); same numbers as 0.4.4. A
+      non-finite step leaves the reference unchanged.
+
+    Example:
+      >>> import jax.numpy as jnp, optclip
+      >>> tx = optclip.clip_value_growth()
+      >>> state = tx.init(jnp.zeros(4))
+      >>> for g in ([1.0, -2.0, 0.0, 1e-5], [3.0, -1.0, 5.0, 1.0]):
+      ...     out, state = tx.update(jnp.array(g), state)
+      ...     print(out.round(5).tolist())
+      [1.0, -2.0, 0.0, 1e-05]
+      [1.5, -1.0, 0.00015, 0.00015]
+    """
+    _check_growth_args(add, mul, min_value, max_decay)
+    identity = add is None and mul is None
+
+    def one_leaf(x, prev, first):
+        """Returns ``(output, new reference, max ratio, clipped)`` for one float leaf."""
+        wide = x.astype(prev.dtype)
+        if identity:
+            return x, wide, jnp.ones((), prev.dtype), jnp.zeros((), bool)
+        reference = jnp.abs(prev)
+        y = wide
+        if add is not None:
+            excess = jnp.maximum(jnp.abs(y) - reference, 0) - _const(add, y)
+            y = jnp.where(excess > 0, y - excess * jnp.sign(y), y)
+        floor = reference if min_value is None else jnp.maximum(reference,
+                                                                _const(min_value, y))
+        ratio = jnp.maximum(jnp.abs(y) / floor, _const(_MIN_RATIO, y))
+        if mul is not None:
+            y = jnp.where(ratio > _const(mul, y), y / (ratio / _const(mul, y)), y)
+        new_prev = y
+        if max_decay is not None:
+            new_prev = jnp.where(ratio < 1 / _const(max_decay, y), prev / _const(max_decay, y),
+                                 y)
+        clipped = jnp.any(y != wide)
+        # 0/0 (no floor, zero reference and update) has no ratio; torchzero leaves it alone.
+        max_ratio = jnp.max(jnp.where(jnp.isnan(ratio), 0, ratio), initial=0)
+        y = jnp.where(first, wide, y)
+        return (y.astype(x.dtype), jnp.where(first, wide, new_prev),
+                jnp.where(first, 1, max_ratio).astype(prev.dtype), clipped & ~first)
+
+    def init_fn(params):
+        prev = jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), norms.acc_dtype(x.dtype))
+                            if norms.is_float(x) else None, params)
+        ratio = jax.tree.map(lambda p: jnp.ones((), p.dtype), prev)
+        zero = jnp.zeros([], jnp.int32)
+        return ClipValueGrowthState(zero, prev, ratio,
+                                    jax.tree.map(lambda r: jnp.zeros((), bool), ratio), zero)
+
+    def update_fn(updates, state, params=None):
+        del params
+        leaves, (prevs,), treedef = norms.flatten_with(updates, state.prev)
+        first = state.count == 0
+        results = [one_leaf(x, p, first) if norms.is_float(x) else (x, None, None, None)
+                   for x, p in zip(leaves, prevs)]
+        outputs, new_prev, max_ratio, clipped = (
+            treedef.unflatten([r[k] for r in results]) for k in range(4))
+        ok = stats_lib.all_finite(updates) & stats_lib.all_finite(new_prev)
+        new = ClipValueGrowthState(optax.safe_increment(state.count), new_prev, max_ratio,
+                                   clipped, state.nonfinite)
+        return outputs, commit_step(ok, new, state)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def clip_norm_growth(
+    add: float | None = None,
+    mul: float | None = 1.5,
+    min_value: float | None = 1e-4,
+    max_decay: float | None = 2.0,
+    ord: Ord = 2,
+    parameterwise: bool = True,
+) -> optax.GradientTransformation:
+    """Limit how fast the norm of the updates may grow relative to the previous norm.
+
+    Per leaf (``parameterwise=True``) or for all leaves as one vector: the first update passes
+    unchanged and its norm becomes the reference ``p``. Then, with ``n = ||x||`` and
+    ``p' = max(p, min_value)``::
+
+        d = max(1, n / (p' + add), n / (p' * mul))     (terms with a None cap left out)
+        x <- x / d
+        p <- max(p' / max_decay if n / p' < 1 / max_decay else n / d, min_value)
+
+    so ``||x_out|| <= min(p' + add, p' * mul)``. With ``add`` and ``mul`` both ``None`` the
+    transform is the identity.
+
+    Args:
+      add: ``>= 0`` or ``None``: additive cap on the norm.
+      mul: ``> 0`` or ``None``: multiplicative cap on the norm.
+      min_value: ``> 0`` or ``None``: floor of the reference norm. Without it a zero reference
+        turns every later update into zeros.
+      max_decay: ``> 0`` or ``None``: the reference norm shrinks by at most this factor per step.
+      ord: the metric: any number or ``'l0'``-``'l4'``, ``'linf'``, ``'mad'``, ``'std'``,
+        ``'var'``, ``'sum'`` (as ``|Σx|``).
+      parameterwise: ``True``: each leaf against its own reference; ``False``: all leaves as one
+        vector (the global norm combined from per-leaf partial reductions).
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state logs the update ``norm``, the reference
+      ``prev_norm`` for the next step, the ``divisor`` applied, ``clipped`` and ``nonfinite``;
+      per leaf, or scalars when ``parameterwise=False``.
+
+    References:
+      torchzero ``ClipNormGrowth`` (spec/torchzero.md §2.8; 0.4.4 calls ``parameterwise``
+      ``tensorwise``). Differences from torchzero 0.4.4: ``min_value`` floors only the
+      reference, not the divisor (which halves small updates when ``min_value > 1``: §4 D13);
+      the floor also applies to the first stored norm (a zero first update no longer
+      shrinks the second one to zero: D14); ``add=None, mul=None`` is the identity (it crashes:
+      D15); the global mode never concatenates leaves; string ``ord`` values work; a non-finite
+      step leaves the reference unchanged.
+
+    Example:
+      >>> import jax.numpy as jnp, optclip
+      >>> tx = optclip.clip_norm_growth()
+      >>> state = tx.init(jnp.zeros(2))
+      >>> for g in ([3.0, 4.0], [30.0, 40.0], [0.3, 0.4]):
+      ...     out, state = tx.update(jnp.array(g), state)
+      ...     print(out.round(4).tolist(), float(state.prev_norm))
+      [3.0, 4.0] 5.0
+      [4.5, 6.0] 7.5
+      [0.3, 0.4] 3.75
+    """
+    _check_growth_args(add, mul, min_value, max_decay)
+    ord = norms.canonical_ord(ord)
+    checks.boolean("parameterwise", parameterwise)
+    state_cls = ClipNormGrowthState if parameterwise else ClipNormGrowthGlobalState
+
+    def divisor_and_reference(n, prev, first, measurable):
+        """Divisor ``d`` and the next reference norm for a group of norm ``n`` (spec §2.8)."""
+        if not measurable:
+            return jnp.ones_like(n), prev
+        p = prev if min_value is None else jnp.maximum(prev, _const(min_value, prev))
+        d = jnp.ones_like(n)
+        if add is not None:
+            cap = p + _const(add, p)
+            d = jnp.where(n > cap, n / cap, d)
+        if mul is not None:
+            cap = p * _const(mul, p)
+            d = jnp.where(n > cap, jnp.maximum(d, n / cap), d)
+        # torchzero also floors d at min_value here (§4 D13): min_value floors the reference only.
+        new_prev = n / d
+        if max_decay is not None:
+            new_prev = jnp.where(n / p < 1 / _const(max_decay, p), p / _const(max_decay, p),
+                                 new_prev)
+        if min_value is not None:
+            new_prev = jnp.maximum(new_prev, _const(min_value, new_prev))
+        # The first norm is stored as measured; the min_value floor applies when it is used.
+        return jnp.where(first, 1, d), jnp.where(first, n, new_prev)
+
+    def init_fn(params):
+        if parameterwise:
+            scalar = jax.tree.map(lambda x: jnp.zeros((), norms.acc_dtype(x.dtype))
+                                  if norms.is_float(x) else None, params)
+        else:
+            scalar = jnp.zeros((), jax.eval_shape(lambda t: norms.global_norm(t, ord),
+                                                  params).dtype)
+        zero = jnp.zeros([], jnp.int32)
+        return state_cls(zero, scalar, scalar, jax.tree.map(jnp.ones_like, scalar),
+                         jax.tree.map(lambda s: jnp.zeros((), bool), scalar), zero)
+
+    def update_fn(updates, state, params=None):
+        del params
+        first = state.count == 0
+        leaves, treedef = jax.tree.flatten(updates, is_leaf=lambda x: x is None)
+        floats = [x for x in leaves if norms.is_float(x)]
+        if parameterwise:
+            prevs = treedef.flatten_up_to(state.prev_norm)
+            per_leaf = [None] * len(leaves)
+            for i, (x, prev) in enumerate(zip(leaves, prevs)):
+                if norms.is_float(x):
+                    measurable = norms.metric_defined(ord, x.size)
+                    n = norms.leaf_norm(x, ord) if measurable else jnp.zeros_like(prev)
+                    per_leaf[i] = (n, *divisor_and_reference(n, prev, first, measurable))
+            norm, divisor, prev_norm = (
+                treedef.unflatten([p[k] if p else None for p in per_leaf]) for k in range(3))
+            outputs = [norms.divide(x, p[1]) if p else x for x, p in zip(leaves, per_leaf)]
+        else:
+            measurable = norms.metric_defined(ord, sum(x.size for x in floats))
+            norm = (norms.global_norm(floats, ord).astype(state.prev_norm.dtype) if measurable
+                    else jnp.zeros_like(state.prev_norm))
+            divisor, prev_norm = divisor_and_reference(norm, state.prev_norm, first, measurable)
+            outputs = [norms.divide(x, divisor) for x in leaves]
+
+        clipped = jax.tree.map(lambda d: d > 1, divisor)
+        ok = stats_lib.all_finite(updates) & stats_lib.all_finite((norm, prev_norm))
+        new = state_cls(optax.safe_increment(state.count), prev_norm, norm, divisor, clipped,
+                        state.nonfinite)
+        return treedef.unflatten(outputs), commit_step(ok, new, state)
+
+    return optax.GradientTransformation(init_fn, update_fn)

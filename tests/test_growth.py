@@ -1,0 +1,438 @@
+"""clip_value_growth, clip_norm_growth (spec/torchzero.md §2.7, §2.8, §6.4-6.5).
+
+Expected values come from the spec tables (torchzero 0.4.4, float32) — for the cells marked †
+there, the intended values of spec §4 D13/D14/D15, worked out by hand below — and from the NumPy
+oracle, written from the spec's formulas.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import chex
+import flax.serialization
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given
+
+import optclip
+from tests.test_ema import (
+    ATOL,
+    ORACLE_RTOL,
+    RTOL,
+    _concatenated_operand_sizes,
+    _jitted,
+    as_tree,
+    np_metric,
+    random_sequence,
+    run,
+    sequences,
+    to_np,
+)
+
+# ---------------------------------------------------------------------------------------------
+# The NumPy oracle.
+
+def oracle_value_growth(seq, *, add=None, mul=1.5, min_value=1e-4, max_decay=2.0):
+    """Outputs and stored references per step (spec §2.7), elementwise."""
+    dtype = seq[0][0].dtype.type
+    prev, outs, prevs = None, [], []
+    for xs in seq:
+        if prev is None or (add is None and mul is None):
+            prev = [x.copy() for x in xs]
+            outs.append(list(xs))
+            prevs.append(prev)
+            continue
+        out, new_prev = [], []
+        for x, p in zip(xs, prev):
+            x = x.copy()
+            if add is not None:
+                grow = np.maximum(np.abs(x) - np.abs(p), 0)
+                x = np.where(grow > add, x - (grow - dtype(add)) * np.sign(x), x)
+            m = np.abs(p) if min_value is None else np.maximum(np.abs(p), dtype(min_value))
+            with np.errstate(divide="ignore", invalid="ignore"):
+                r = np.maximum(np.abs(x) / m, dtype(1e-8))
+                if mul is not None:
+                    x = np.where(r > mul, x / (r / dtype(mul)), x)
+            new_prev.append(x if max_decay is None
+                            else np.where(r < 1 / max_decay, p / dtype(max_decay), x))
+            out.append(x)
+        prev = new_prev
+        outs.append(out)
+        prevs.append(prev)
+    return outs, prevs
+
+
+def oracle_norm_growth(seq, *, add=None, mul=1.5, min_value=1e-4, max_decay=2.0, ord=2,
+                       parameterwise=True):
+    """Outputs and reference norms per step (spec §2.8 with D13-D15 fixed); the global mode
+    concatenates the leaves (the definition)."""
+    dtype = seq[0][0].dtype.type
+    groups = ([[i] for i in range(len(seq[0]))] if parameterwise
+              else [list(range(len(seq[0])))])
+    prev = [None] * len(groups)
+    outs, prevs = [], []
+    for xs in seq:
+        out = list(xs)
+        for k, idx in enumerate(groups):
+            flat = np.concatenate([xs[i].ravel() for i in idx])
+            if ord in ("std", "var") and flat.size < 2:
+                prev[k] = dtype(0)
+                continue
+            n = np_metric(flat, ord)
+            if prev[k] is None:
+                prev[k] = n
+                continue
+            p = prev[k] if min_value is None else max(prev[k], dtype(min_value))
+            d = dtype(1)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                if add is not None and n > p + dtype(add):
+                    d = n / (p + dtype(add))
+                if mul is not None and n > p * dtype(mul):
+                    d = max(d, n / (p * dtype(mul)))
+                new = n / d
+                if max_decay is not None and n / p < 1 / max_decay:
+                    new = p / dtype(max_decay)
+            if min_value is not None:
+                new = max(new, dtype(min_value))
+            prev[k] = new
+            for i in idx:
+                out[i] = xs[i] / d
+        outs.append(out)
+        prevs.append(list(prev))
+    return outs, prevs
+
+
+# ---------------------------------------------------------------------------------------------
+# Spec vectors (§6.4, §6.5).
+
+S4 = [[1, -2, 0, 1e-5], [3, -1, 5, 1], [-10, 0.1, 5, 0], [0, 0, 0, 0], [4, 4, 4, 4]]
+S5 = [[[3, 4], [1]], [[30, 40], [0]], [[0.3, 0.4], [5]], [[0, 0], [0]], [[6, 8], [1]]]
+ZERO_FIRST = [[0, 0], [3, 4], [3, 4]]
+
+VALUE_VECTORS = [
+    ("default", {}, S4, [[1, -2, 0, 9.9999997e-06], [1.5, -1, 0.00015000001, 0.00015000001],
+                         [-2.2500002, 0.1, 0.00022500001, 0], [0, 0, 0, 0],
+                         [1.6875001, 0.375, 0.00016875, 0.00015000001]]),
+    ("add_only", dict(add=1, mul=None), S4,
+     [[1, -2, 0, 9.9999997e-06], [2, -1, 1, 1], [-3, 0.1, 2, 0], [0, 0, 0, 0],
+      [2.5, 1.25, 2, 1.25]]),
+    ("no_floor", dict(min_value=None), S4,
+     [[1, -2, 0, 9.9999997e-06], [1.5, -1, 0, 1.5000001e-05], [-2.2500002, 0.1, 0, 0],
+      [0, 0, 0, 0], [1.6875001, 0.375, 0, 5.6250005e-06]]),
+    ("zero_first_step", {}, ZERO_FIRST,
+     [[0, 0], [0.00015000001, 0.00015000001], [0.00022500001, 0.00022500001]]),
+    ("identity", dict(add=None, mul=None), S4, S4),
+]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("name,kwargs,seq,expected", VALUE_VECTORS,
+                         ids=[v[0] for v in VALUE_VECTORS])
+def test_clip_value_growth_spec_vectors(name, kwargs, seq, expected, jit):
+    outs, _ = run(optclip.clip_value_growth(**kwargs), [as_tree(s) for s in seq], jit=jit)
+    for step, (out, want) in enumerate(zip(outs, expected)):
+        np.testing.assert_allclose(out[0], np.asarray(want, np.float32), rtol=RTOL, atol=ATOL,
+                                   err_msg=f"step {step + 1}")
+
+
+def test_clip_value_growth_stored_reference():
+    _, states = run(optclip.clip_value_growth(), [as_tree(s) for s in S4])
+    want = [[1, -2, 0, 1e-5], [1.5, -1, 1.5e-4, 1.5e-4], [-2.25, -0.5, 2.25e-4, 7.5e-5],
+            [-1.125, -0.25, 1.125e-4, 3.75e-5], [1.6875, 0.375, 1.6875e-4, 1.5e-4]]
+    for step, (state, w) in enumerate(zip(states, want)):
+        np.testing.assert_allclose(state.prev[0], w, rtol=RTOL, atol=ATOL, err_msg=f"{step}")
+
+
+NORM_VECTORS = [
+    ("default", {}, S5,
+     [[[3, 4], [1]], [[4.5, 6], [0]], [[0.30000001, 0.40000001], [0.75]], [[0, 0], [0]],
+      [[1.6875, 2.25], [0.5625]]]),
+    ("global", dict(parameterwise=False), S5,
+     [[[3, 4], [1]], [[4.5891175, 6.1188231], [0]], [[0.30000001, 0.40000001], [5]],
+      [[0, 0], [0]], [[2.25, 3], [0.375]]]),
+    ("add", dict(add=1), S5,
+     [[[3, 4], [1]], [[3.6000001, 4.8000002], [0]], [[0.30000001, 0.40000001], [0.75]],
+      [[0, 0], [0]], [[1.3499999, 1.8], [0.5625]]]),
+    # † D13: min_value floors the reference only. By hand, leaf 2: p=1; step 2 n=0 decays to
+    # max(2/2, 2)=2; step 3 n=5 > 2*1.5 -> d=5/3 -> [3] (torchzero: d=max(5/3, 2) -> [2.5]);
+    # step 5 n=1 <= 1.5*2 -> [1] (torchzero [0.5]). Leaf 1 is unaffected by D13.
+    ("min_value_2", dict(min_value=2), S5,
+     [[[3, 4], [1]], [[4.5, 6], [0]], [[0.30000001, 0.40000001], [3]], [[0, 0], [0]],
+      [[1.8000001, 2.4000001], [1]]]),
+    # † D14: the floor applies to the first stored norm: p'=1e-4, cap 1.5e-4 -> [3,4]*3e-5.
+    ("zero_first_step", {}, [[s] for s in ZERO_FIRST],
+     [[[0, 0]], [[9e-05, 0.00012]], [[0.000135, 0.00018]]]),
+    # † D15: no caps is the identity (torchzero crashes at step 2).
+    ("no_caps", dict(add=None, mul=None), S5, S5),
+]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("name,kwargs,seq,expected", NORM_VECTORS,
+                         ids=[v[0] for v in NORM_VECTORS])
+def test_clip_norm_growth_spec_vectors(name, kwargs, seq, expected, jit):
+    outs, _ = run(optclip.clip_norm_growth(**kwargs), [as_tree(s) for s in seq], jit=jit)
+    for step, (out, want) in enumerate(zip(outs, expected)):
+        for got, w in zip(out, want):
+            np.testing.assert_allclose(got, np.asarray(w, np.float32), rtol=RTOL, atol=ATOL,
+                                       err_msg=f"step {step + 1}")
+
+
+@pytest.mark.parametrize("parameterwise,want", [
+    (True, [[5, 1], [7.5, 0.5], [3.75, 0.75], [1.875, 0.375], [2.8125, 0.5625]]),
+    (False, [[5.0990195], [7.6485291], [5.0249376], [2.5124688], [3.7687032]]),
+])
+def test_clip_norm_growth_stored_reference(parameterwise, want):
+    _, states = run(optclip.clip_norm_growth(parameterwise=parameterwise),
+                    [as_tree(s) for s in S5])
+    for step, (state, w) in enumerate(zip(states, want)):
+        np.testing.assert_allclose(to_np(state.prev_norm), w, rtol=RTOL, err_msg=f"{step}")
+    assert [bool(np.any(to_np(s.clipped))) for s in states] == [False, True, parameterwise,
+                                                                False, True]
+
+
+# ---------------------------------------------------------------------------------------------
+# Against the NumPy oracle.
+
+VALUE_OPTIONS = [dict(), dict(add=0.5), dict(add=0.2, mul=None), dict(min_value=None),
+                 dict(max_decay=None), dict(mul=1.1, max_decay=3.0, min_value=1e-2),
+                 dict(add=None, mul=None)]
+
+
+@pytest.mark.parametrize("kwargs", VALUE_OPTIONS, ids=str)
+def test_clip_value_growth_matches_oracle(kwargs):
+    seq = random_sequence(seed=21)
+    outs, states = run(optclip.clip_value_growth(**kwargs), [as_tree(s) for s in seq])
+    want_outs, want_prevs = oracle_value_growth(seq, **kwargs)
+    for step, (out, want, state, prev) in enumerate(zip(outs, want_outs, states, want_prevs)):
+        for got, w in zip(out, want):
+            np.testing.assert_allclose(got, w, rtol=ORACLE_RTOL, atol=1e-7, err_msg=f"{step}")
+        if kwargs.get("mul", 1.5) is not None or kwargs.get("add") is not None:
+            for got, p in zip(to_np(state.prev), prev):
+                np.testing.assert_allclose(got, p, rtol=ORACLE_RTOL, atol=1e-7)
+
+
+NORM_OPTIONS = [dict(), dict(add=0.5), dict(add=2.0, mul=None), dict(min_value=None),
+                dict(max_decay=None), dict(min_value=3.0), dict(mul=0.9, max_decay=4.0)]
+NORM_ORDS = [2, 1, math.inf, 0, 3, "mad", "std", "sum"]
+
+
+@pytest.mark.parametrize("parameterwise", [True, False], ids=["parameterwise", "global"])
+@pytest.mark.parametrize("kwargs", NORM_OPTIONS, ids=str)
+def test_clip_norm_growth_options_match_oracle(kwargs, parameterwise):
+    seq = random_sequence(seed=22)
+    outs, states = run(optclip.clip_norm_growth(parameterwise=parameterwise, **kwargs),
+                       [as_tree(s) for s in seq])
+    want_outs, want_prevs = oracle_norm_growth(seq, parameterwise=parameterwise, **kwargs)
+    for step, (out, want, state, prev) in enumerate(zip(outs, want_outs, states, want_prevs)):
+        for got, w in zip(out, want):
+            np.testing.assert_allclose(got, w, rtol=ORACLE_RTOL, atol=1e-7, err_msg=f"{step}")
+        np.testing.assert_allclose(to_np(state.prev_norm), prev, rtol=ORACLE_RTOL, atol=1e-7)
+
+
+@pytest.mark.parametrize("parameterwise", [True, False], ids=["parameterwise", "global"])
+@pytest.mark.parametrize("ord", NORM_ORDS, ids=str)
+def test_clip_norm_growth_ords_match_oracle(ord, parameterwise):
+    seq = random_sequence(seed=30 + NORM_ORDS.index(ord))
+    outs, _ = run(optclip.clip_norm_growth(ord=ord, add=1.0, parameterwise=parameterwise),
+                  [as_tree(s) for s in seq])
+    want_outs, _ = oracle_norm_growth(seq, ord=ord, add=1.0, parameterwise=parameterwise)
+    for out, want in zip(outs, want_outs):
+        for got, w in zip(out, want):
+            np.testing.assert_allclose(got, w, rtol=ORACLE_RTOL, atol=1e-7)
+
+
+@pytest.mark.parametrize("factory,oracle", [
+    (optclip.clip_value_growth, oracle_value_growth),
+    (functools.partial(optclip.clip_norm_growth, parameterwise=False),
+     functools.partial(oracle_norm_growth, parameterwise=False)),
+])
+def test_float64_matches_oracle(factory, oracle):
+    with jax.enable_x64(True):
+        seq = random_sequence(seed=8, dtype=np.float64)
+        outs, states = run(factory(add=0.3), [as_tree(s, jnp.float64) for s in seq],
+                           jit=True)
+        want_outs, _ = oracle(seq, add=0.3)
+        for out, want in zip(outs, want_outs):
+            for got, w in zip(out, want):
+                assert got.dtype == jnp.float64
+                np.testing.assert_allclose(got, w, rtol=1e-12, atol=1e-300)
+        assert all(x.dtype == jnp.float64 for x in jax.tree.leaves(states[-1])
+                   if jnp.issubdtype(x.dtype, jnp.floating))
+
+
+def test_global_mode_never_concatenates_leaves():
+    tx = optclip.clip_norm_growth(parameterwise=False)
+    tree = {"w": jnp.ones((8, 4)), "b": jnp.ones(4)}
+    jaxpr = jax.make_jaxpr(tx.update)(tree, tx.init(tree)).jaxpr
+    assert all(size <= 1 for size in _concatenated_operand_sizes(jaxpr))
+
+
+# ---------------------------------------------------------------------------------------------
+# Properties: growth bounded by mul (and add) relative to the stored reference.
+
+@functools.cache
+def _property_transform(kind, parameterwise=True):
+    tx = (optclip.clip_value_growth(add=0.7, mul=1.3) if kind == "value"
+          else optclip.clip_norm_growth(add=0.7, mul=1.3, parameterwise=parameterwise))
+    return tx, jax.jit(tx.update)
+
+
+@given(seq=sequences)
+def test_value_growth_bounded_by_reference(seq):
+    tx, update = _property_transform("value")
+    state = tx.init([jnp.asarray(x) for x in seq[0]])
+    for t, xs in enumerate(seq):
+        before = to_np(state.prev)
+        out, state = update([jnp.asarray(x) for x in xs], state)
+        if t == 0:
+            continue
+        for o, x, p in zip(to_np(out), xs, before):
+            assert np.all(np.abs(o) <= 1.3 * np.maximum(np.abs(p), 1e-4) * (1 + 1e-5))
+            # torchzero's additive step x - (g - add) sign(x) cancels: ulps of |x|, not of |o|.
+            slack = 4 * np.finfo(np.float32).eps * np.abs(x)
+            assert np.all(np.abs(o) <= (np.abs(p) + 0.7) * (1 + 1e-5) + slack)
+            assert np.all(np.abs(o) <= np.abs(x)) and np.all(np.sign(o) * np.sign(x) >= 0)
+
+
+@pytest.mark.parametrize("parameterwise", [True, False])
+@given(seq=sequences)
+def test_norm_growth_bounded_by_reference(parameterwise, seq):
+    tx, update = _property_transform("norm", parameterwise)
+    state = tx.init([jnp.asarray(x) for x in seq[0]])
+    for t, xs in enumerate(seq):
+        before = to_np(state.prev_norm)
+        out, state = update([jnp.asarray(x) for x in xs], state)
+        out_norms = ([np.linalg.norm(o) for o in to_np(out)] if parameterwise
+                     else [np.linalg.norm(np.concatenate([o.ravel() for o in to_np(out)]))])
+        for got, p in zip(out_norms, before):
+            if t > 0:
+                p = max(p, 1e-4)
+                assert got <= min(1.3 * p, p + 0.7) * (1 + 1e-5)
+        assert all(p >= 1e-4 for p in to_np(state.prev_norm)) or t == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Non-finite steps, checkpoints, dtypes, odd trees, chains, arguments.
+
+ALL_GROWTH = [
+    ("value", lambda: optclip.clip_value_growth(add=0.5)),
+    ("norm_parameterwise", lambda: optclip.clip_norm_growth(add=0.5)),
+    ("norm_global", lambda: optclip.clip_norm_growth(parameterwise=False, ord="l1")),
+]
+# One transform per row (functools.cache), so the jitted update is shared between the tests.
+ALL_GROWTH = [(name, functools.cache(make)) for name, make in ALL_GROWTH]
+growth_transforms = pytest.mark.parametrize("make", [m for _, m in ALL_GROWTH],
+                                            ids=[n for n, _ in ALL_GROWTH])
+
+
+@growth_transforms
+@pytest.mark.parametrize("bad_step", [0, 3])
+def test_nonfinite_step_leaves_state_unchanged(make, bad_step):
+    tx = make()
+    update = _jitted(tx)
+    seq = [as_tree(s) for s in random_sequence(seed=1, steps=6)]
+    bad = [x.at[(-1,) * x.ndim].set(jnp.inf) for x in seq[bad_step]]
+    clean_outs, _ = run(tx, seq, jit=True)
+    state = tx.init(seq[0])
+    outs = []
+    for t, g in enumerate(seq):
+        if t == bad_step:
+            _, after = update(bad, state)
+            chex.assert_trees_all_equal(after._replace(nonfinite=state.nonfinite), state)
+            state = after
+        out, state = update(g, state)
+        outs.append(out)
+    chex.assert_trees_all_close(outs, clean_outs, rtol=0, atol=0)
+    assert int(state.nonfinite) == 1
+
+
+@growth_transforms
+def test_checkpoint_round_trip_continues_identically(make):
+    tx = make()
+    seq = [as_tree(s) for s in random_sequence(seed=4, steps=6)]
+    outs, states = run(tx, seq, jit=True)
+    restored = flax.serialization.from_bytes(tx.init(seq[0]),
+                                             flax.serialization.to_bytes(states[2]))
+    resumed, _ = run(tx, seq[3:], jit=True, state=restored)
+    chex.assert_trees_all_close(resumed, outs[3:], rtol=0, atol=0)
+
+
+@growth_transforms
+def test_bf16_statistics_in_float32_and_odd_trees(make):
+    tx = make()
+    tree = {"w": jnp.ones((3, 2), jnp.bfloat16) * 3, "i": jnp.arange(3), "none": None,
+            "masked": optax.MaskedNode(), "s": jnp.array(2.0, jnp.bfloat16),
+            "empty": jnp.zeros((0, 2))}
+    state, update = tx.init(tree), _jitted(tx)
+    for scale in (1.0, 10.0):
+        out, state = update(jax.tree.map(lambda x: x * scale if optclip._core.norms.is_float(x)
+                                            else x, tree), state)
+    assert out["w"].dtype == jnp.bfloat16 and out["s"].dtype == jnp.bfloat16
+    assert float(jnp.max(jnp.abs(out["w"].astype(jnp.float32)))) < 30.0   # growth limited
+    np.testing.assert_array_equal(out["i"], tree["i"])
+    assert out["none"] is None and isinstance(out["masked"], optax.MaskedNode)
+    for leaf in jax.tree.leaves(state):
+        assert leaf.dtype not in (jnp.bfloat16, jnp.float16)
+        assert np.all(np.isfinite(np.asarray(leaf, np.float64)))
+    assert tx.update({}, tx.init({}))[0] == {}
+
+
+@growth_transforms
+def test_in_chain_with_adam_and_stats(make):
+    tx = optax.chain(make(), optax.adam(1e-2))
+    params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
+
+    @jax.jit
+    def step(params, state):
+        grads = jax.grad(lambda p: jnp.sum(p["w"] ** 2) + jnp.sum((p["b"] - 1) ** 2))(params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, optclip.stats(state)
+
+    state = tx.init(params)
+    for _ in range(3):
+        params, state, logged = step(params, state)
+    assert any(key.endswith("/clipped") or key.endswith("/clipped_frac") for key in logged)
+    assert all(np.isfinite(np.asarray(v, np.float64)) for v in logged.values())
+
+
+def test_traced_hyperparameters_with_inject_hyperparams():
+    seq = [as_tree(s) for s in S5]
+    plain, _ = run(optclip.clip_norm_growth(add=1.0), seq)
+    tx = optax.inject_hyperparams(optclip.clip_norm_growth, static_args=("ord",))(add=1.0)
+    injected, _ = run(tx, seq, jit=True)
+    chex.assert_trees_all_close(injected, plain, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(add=-1.0), "add"), (dict(mul=0.0), "mul"), (dict(mul="x"), "mul"),
+    (dict(min_value=-1.0), "min_value"), (dict(max_decay=-2.0), "max_decay"),
+])
+@pytest.mark.parametrize("factory", [optclip.clip_value_growth, optclip.clip_norm_growth])
+def test_growth_rejects_bad_arguments(factory, kwargs, name):
+    with pytest.raises((ValueError, TypeError), match=name):
+        factory(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,name", [(dict(ord="l5"), "ord"),
+                                         (dict(parameterwise="no"), "parameterwise")])
+def test_clip_norm_growth_rejects_bad_arguments(kwargs, name):
+    with pytest.raises((ValueError, TypeError), match=name):
+        optclip.clip_norm_growth(**kwargs)
+
+
+@pytest.mark.parametrize("parameterwise", [True, False])
+@pytest.mark.parametrize("ord", ["mad", -math.inf], ids=str)
+def test_empty_leaves_keep_reference_finite(ord, parameterwise):
+    tx = optclip.clip_norm_growth(ord=ord, parameterwise=parameterwise)
+    tree = [jnp.zeros((0, 3)), jnp.array([3.0, 4.0])] if parameterwise else [jnp.zeros((0, 3))]
+    state = tx.init(tree)
+    for _ in range(2):
+        out, state = tx.update(tree, state)
+    assert int(state.count) == 2 and int(state.nonfinite) == 0
+    assert all(np.all(np.isfinite(x)) for x in to_np(out))
