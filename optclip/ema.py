@@ -116,7 +116,8 @@ def _double_tiny(dtype) -> jax.Array:
 
 def _float_zeros(tree: Any) -> Any:
     """Per float leaf: zeros of its shape in the statistics dtype; ``None`` elsewhere."""
-    return jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), norms.acc_dtype(x.dtype))
+    # zeros_like keeps the leaf's sharding (also its sharding type under an explicit mesh).
+    return jax.tree.map(lambda x: jnp.zeros_like(x, norms.acc_dtype(x.dtype))
                         if norms.is_float(x) else None, tree)
 
 

@@ -154,18 +154,21 @@ def _shard(tree, mesh):
 
 
 @entries
-def test_sharded_run_matches_unsharded(entry):
+@pytest.mark.parametrize("axis_type", ["explicit", "auto"])
+def test_sharded_run_matches_unsharded(entry, axis_type):
     if jax.device_count() < 8:
         pytest.fail("the sharding check needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
-    mesh = jax.make_mesh((8,), ("x",))
+    axis = jax.sharding.AxisType.Explicit if axis_type == "explicit" else jax.sharding.AxisType.Auto
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(axis,))
     tx, update = _compiled(entry.name)
     params = _params(entry)
     plain_out, plain_state = _run(update, tx.init(params), _grads(entry), params)
-    sharded_params = _shard(params, mesh)
-    sharded_grads = [_shard(g, mesh) for g in _grads(entry)]
-    sharded_update = jax.jit(tx.update)
-    sharded_out, sharded_state = _run(sharded_update, tx.init(sharded_params), sharded_grads,
-                                      sharded_params)
+    with jax.set_mesh(mesh):
+        sharded_params = _shard(params, mesh)
+        sharded_grads = [_shard(g, mesh) for g in _grads(entry)]
+        sharded_update = jax.jit(tx.update)
+        sharded_out, sharded_state = _run(sharded_update, tx.init(sharded_params),
+                                          sharded_grads, sharded_params)
     chex.assert_trees_all_close(sharded_out, plain_out, rtol=entry.rtol, atol=1e-6)
     chex.assert_trees_all_close(sharded_state, plain_state, rtol=entry.rtol, atol=1e-6)
     for out, g in zip(jax.tree.leaves(sharded_out[-1]), jax.tree.leaves(sharded_grads[-1])):

@@ -105,8 +105,13 @@ def keep_if(ok: jax.Array, new: Any, old: Any) -> Any:
 
 
 def zeros_like_shapes(shapes: Any) -> Any:
-    """Zeros for a tree of ``jax.ShapeDtypeStruct`` (``jax.eval_shape`` of a diagnostic)."""
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    """Zeros for a tree of ``jax.ShapeDtypeStruct`` (``jax.eval_shape`` of a diagnostic).
+
+    The zeros carry the sharding ``eval_shape`` reports (under an explicit-axes mesh), so the
+    state ``init`` builds has the sharding type that ``update`` produces.
+    """
+    return jax.tree.map(
+        lambda s: jnp.zeros(s.shape, s.dtype, out_sharding=getattr(s, "sharding", None)), shapes)
 
 
 def count_nonfinite(nonfinite: jax.Array, finite: jax.Array) -> jax.Array:
