@@ -117,7 +117,7 @@ def _clamp(g: jax.Array, value) -> jax.Array:
 
 
 def _clip_grad_norm(grads, max_norm, ord, dim, inverse_dims, min_size, min_norm):
-    """Returns ``(clipped tree, norms, multipliers)``; shared by the helper and ``clip_norm``."""
+    """Returns ``(clipped tree, norms)``; shared by the helper and ``clip_norm``."""
     def multiplier(norm):
         hi = (norms.clip_multiplier(norm, jnp.asarray(max_norm, norm.dtype))
               if max_norm is not None else jnp.ones_like(norm))
@@ -128,12 +128,8 @@ def _clip_grad_norm(grads, max_norm, ord, dim, inverse_dims, min_size, min_norm)
         grow = (norm > norms.TINY_NORM) & (norm < lo)
         return hi * jnp.where(grow, lo / jnp.where(grow, norm, 1), 1)
 
-    if dim == axes_lib.GLOBAL:
-        norm = norms.global_norm(grads, ord)
-        factor = multiplier(norm)
-        return jax.tree.map(lambda g: norms.scale(g, factor), grads), norm, factor
-    return (*norms.scale_slices(grads, ord, multiplier, dim=dim, inverse_dims=inverse_dims,
-                                min_size=min_size), None)
+    return norms.scale_slices(grads, ord, multiplier, dim=dim, inverse_dims=inverse_dims,
+                              min_size=min_size)
 
 
 def clip_grad_norm(
@@ -182,10 +178,6 @@ def _normalized(grads, norm_value, ord, dim, inverse_dims, min_size, eps):
     def multiplier(norm):
         return norms.normalize_multiplier(norm, jnp.asarray(norm_value, norm.dtype), eps)
 
-    if dim == axes_lib.GLOBAL:
-        norm = norms.global_norm(grads, ord)
-        factor = multiplier(norm)
-        return jax.tree.map(lambda g: norms.scale(g, factor), grads), norm
     return norms.scale_slices(grads, ord, multiplier, dim=dim, inverse_dims=inverse_dims,
                               min_size=min_size)
 
@@ -376,7 +368,7 @@ def clip_norm(
     ord = _check_slices(ord, dim, inverse_dims, min_size)
 
     def measure(tree, bound):
-        return _clip_grad_norm(tree, bound, ord, dim, inverse_dims, min_size, None)[:2]
+        return _clip_grad_norm(tree, bound, ord, dim, inverse_dims, min_size, None)
 
     def init_fn(params):
         zeros = stats_lib.zeros_like_shapes(jax.eval_shape(lambda p: measure(p, 1.0)[1], params))

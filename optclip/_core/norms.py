@@ -263,10 +263,16 @@ def scale_slices(
 ) -> tuple[Any, Any]:
     """Scale every slice by ``multiplier(norm)``; returns ``(scaled tree, norms tree)``.
 
-    Norms come back in the wide dtype with the reduced axes squeezed out. Leaves that the axes
-    rule leaves alone (no axes, or slices smaller than ``min_size``) are returned unchanged with
-    a 0-d zero norm; non-float leaves pass through with a ``None`` norm.
+    With ``dim='global'`` all leaves form one slice: one global norm (a scalar) and one factor.
+    Otherwise norms come back per leaf in the wide dtype with the reduced axes squeezed out.
+    Leaves that the axes rule leaves alone (no axes, or slices smaller than ``min_size``) are
+    returned unchanged with a 0-d zero norm; non-float leaves pass through with a ``None`` norm.
     """
+    if dim == axes_lib.GLOBAL:
+        norm = global_norm(tree, ord)
+        factor = multiplier(norm)
+        return jax.tree.map(lambda x: scale(x, factor), tree), norm
+
     def one_leaf(x):
         if not is_float(x):
             return x, None
