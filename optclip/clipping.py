@@ -108,7 +108,7 @@ def clip_grad_value(grads: Any, value: ScalarOrSchedule) -> Any:
       [1.0, -1.0, 0.5]
     """
     checks.positive("value", value)
-    return jax.tree.map(lambda g: _clamp(g, value) if norms.is_float(g) else g, grads)
+    return norms.float_map(lambda g: _clamp(g, value), grads)
 
 
 def _clamp(g: jax.Array, value) -> jax.Array:
@@ -259,7 +259,7 @@ def clip_value(value: ScalarOrSchedule) -> optax.GradientTransformation:
         del params
         bound = checks.resolve(value, state.count)
         measured = max_abs(updates)
-        new_updates = jax.tree.map(lambda g: _clamp(g, bound) if norms.is_float(g) else g, updates)
+        new_updates = norms.float_map(lambda g: _clamp(g, bound), updates)
         clipped = jax.tree.map(lambda m: m > bound, measured)
         return new_updates, ClipValueState(
             optax.safe_increment(state.count), stats_lib.keep_finite(measured, state.max_abs),
@@ -495,7 +495,7 @@ def centralize(dim: Dim = None, inverse_dims: bool = False, min_size: int = 2
         leaves = [g for g in jax.tree.leaves(updates) if norms.is_float(g)]
         total = norms.tree_sum([jnp.sum(g.astype(norms.acc_dtype(g.dtype))) for g in leaves])
         mean = total / max(sum(g.size for g in leaves), 1)
-        return jax.tree.map(lambda g: centre(g, mean) if norms.is_float(g) else g, updates), state
+        return norms.float_map(lambda g: centre(g, mean), updates), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 

@@ -178,11 +178,6 @@ def _slice_axes(x: jax.Array, param_ndim: int | None) -> tuple[int, ...]:
     return axes_lib.reduction_axes(x.ndim, param_ndim=param_ndim)
 
 
-def _float_map(fn, tree: Any, *rest: Any) -> Any:
-    """``fn`` on float leaves; other leaves pass through."""
-    return jax.tree.map(lambda x, *r: fn(x, *r) if norms.is_float(x) else x, tree, *rest)
-
-
 def _per_leaf(fn, tree: Any) -> Any:
     """A per-leaf diagnostic tree: ``fn(x)`` for float leaves, ``None`` elsewhere."""
     return jax.tree.map(lambda x: fn(x) if norms.is_float(x) else None, tree)
@@ -413,7 +408,7 @@ def sign(grad_scale: float = 1.0, grad_bias: float = 0.0) -> optax.GradientTrans
 
     def update_fn(updates, state, params=None):
         del params
-        return _float_map(lambda g: _affine(_sign(g), grad_scale, grad_bias), updates), state
+        return norms.float_map(lambda g: _affine(_sign(g), grad_scale, grad_bias), updates), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
@@ -671,13 +666,13 @@ def clamp(clamp_min: float | None = None, clamp_max: float | None = None,
 
     def update_fn(updates, state, params=None):
         del params
-        clamped = _float_map(lambda g: _clip(g, clamp_min, clamp_max), updates)
+        clamped = norms.float_map(lambda g: _clip(g, clamp_min, clamp_max), updates)
         clipped = jax.tree.map(lambda g, c: jnp.any(g != c) if norms.is_float(g) else None,
                                updates, clamped)
         finite = stats_lib.all_finite(updates)
         new_state = ClampState(stats_lib.keep_if(finite, clipped, state.clipped),
                                stats_lib.count_nonfinite(state.nonfinite, finite))
-        return _float_map(lambda g: _affine(g, grad_scale, grad_bias), clamped), new_state
+        return norms.float_map(lambda g: _affine(g, grad_scale, grad_bias), clamped), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
 

@@ -54,6 +54,11 @@ def is_float(x: Any) -> bool:
     return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
+def float_map(fn: Callable, tree: Any, *rest: Any) -> Any:
+    """``fn(leaf, *matching leaves of rest)`` on floating leaves; other leaves pass through."""
+    return jax.tree.map(lambda x, *r: fn(x, *r) if is_float(x) else x, tree, *rest)
+
+
 def acc_dtype(dtype) -> jnp.dtype:
     """The dtype norms and statistics of a leaf are accumulated in."""
     return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
@@ -210,11 +215,6 @@ def global_norm(tree: Any, ord: float | str = 2.0) -> jax.Array:
     if ord == 0.0:
         return tree_sum(total(lambda x: (x != 0).astype(x.dtype)))
     return tree_sum(total(lambda x: jnp.abs(x) ** ord)) ** (1.0 / ord)
-
-
-def leaf_norms(tree: Any, ord: float | str = 2.0) -> Any:
-    """Per-leaf metric: a tree of 0-d wide arrays (non-float leaves map to ``None``)."""
-    return jax.tree.map(lambda x: leaf_norm(x, ord) if is_float(x) else None, tree)
 
 
 # ---------------------------------------------------------------------------------------------
