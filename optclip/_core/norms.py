@@ -171,10 +171,25 @@ def _float_leaves(tree: Any) -> list[jax.Array]:
     return [x for x in jax.tree.leaves(tree) if is_float(x)]
 
 
+def gather_scalars(partials: list[jax.Array]) -> jax.Array:
+    """Per-leaf scalars as one vector, for a reduction that XLA computes once.
+
+    Why not ``jnp.stack``: XLA's simplifier rewrites a reduction over stacked scalars into a
+    chain of ``n`` scalar operations, and its fusion pass then copies that cheap chain into
+    every per-leaf computation that consumes the result (a global gate or clipping factor):
+    ``n`` leaves cost ``O(n^2)`` instructions and compile time quadratic in the leaf count.
+    Writing the scalars into a vector with one scatter, an operation XLA neither rewrites nor
+    duplicates, keeps the combination a single reduction whose result each leaf reads.
+    """
+    values = jnp.stack([jnp.asarray(p) for p in partials])
+    return jnp.zeros_like(values).at[jnp.arange(len(partials))].set(
+        values, indices_are_sorted=True, unique_indices=True)
+
+
 def _combine(partials: list[jax.Array], how: Callable, empty: float) -> jax.Array:
     if not partials:
         return jnp.asarray(empty, jnp.float32)
-    return how(jnp.stack(partials))
+    return how(gather_scalars(partials))
 
 
 def tree_sum(partials: list[jax.Array]) -> jax.Array:

@@ -15,6 +15,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from optclip._core import norms
+
 _REGISTRY: dict[type, tuple[str, tuple[str, ...], frozenset[str]]] = {}
 
 
@@ -91,7 +93,7 @@ def all_finite(tree: Any) -> jax.Array:
     """Scalar bool: every element of every floating leaf of ``tree`` is finite."""
     checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
               if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
-    return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)
+    return jnp.all(norms.gather_scalars(checks)) if checks else jnp.asarray(True)
 
 
 def keep_if(ok: jax.Array, new: Any, old: Any) -> Any:
