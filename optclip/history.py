@@ -597,7 +597,7 @@ def hist_clip(
         keeps its state inside this state and advances only during the warm-up);
         ``optax.identity()`` is drytorch's ``NoOp``. Default ``None``: torch's rule at 1.0,
         ``min(1, 1 / (n + 1e-6))``, which is drytorch's default ``GradNormClipper(1)`` exactly.
-        ``optclip.clip_by_global_norm(1.0)`` (API.md's stated default) clips exactly to 1, a
+        ``optclip.clip_by_global_norm(1.0)`` clips exactly to 1, a
         relative difference of about ``1e-6 / n`` on clipped warm-up calls; pass it if you
         prefer that.
       warmup_steps: ``N``, the number of warm-up calls, ``>= 1`` (``>= 0`` with
