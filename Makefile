@@ -25,11 +25,11 @@ test: $(VENV)/.installed-test
 	$(BIN)/ruff check optclip tests benchmarks
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
-	MPLBACKEND=Agg $(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
+	$(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
 	OPTCLIP_DOCS_SITE=$(VENV)/site $(BIN)/python -m pytest -n 2 $(PYTEST_ARGS)
 
 docs: $(VENV)/.installed-test
-	MPLBACKEND=Agg $(BIN)/mkdocs build --strict --site-dir site
+	$(BIN)/mkdocs build --strict --site-dir site
 
 bench: $(VENV)/.installed-test
 	$(BIN)/python benchmarks/bench_clip.py $(BENCH_ARGS)
