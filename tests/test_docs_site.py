@@ -50,7 +50,7 @@ window.addEventListener("load", () => {
 def site(tmp_path_factory) -> pathlib.Path:
     given = os.environ.get("OPTCLIP_DOCS_SITE")
     if given:
-        path = pathlib.Path(given)
+        path = pathlib.Path(given).resolve()
         assert (path / "index.html").is_file(), f"OPTCLIP_DOCS_SITE={given} holds no built site"
         return path
     path = tmp_path_factory.mktemp("site")
