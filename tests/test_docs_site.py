@@ -117,3 +117,22 @@ def test_notebook_pages_show_their_outputs(site, name):
     assert len(FIGURE.findall(page)) >= 1, "no figure on the page"
     assert len(OUTPUT.findall(page)) >= 3, "the notebook was not executed"
     assert "Traceback (most recent call last)" not in page
+
+
+def test_api_reference_renders_docstrings(site):
+    page = (site / "api" / "index.html").read_text()
+    text = html.unescape(re.sub(r"<[^>]+>", " ", page))
+    assert not re.search(r":(func|class|meth|data):", text), "a Sphinx role is printed literally"
+    assert "``" not in text
+    # Roles naming a public transform became links to its entry on the same page.
+    assert 'href="#optclip.hist_clip"' in page
+    # A Returns section whose text mentions other objects keeps its type and description apart.
+    entry = page[page.index('id="optclip.ema_criterion"'):]
+    returns = re.search(r"Returns:.*?<tbody>(.*?)</tbody>", entry, re.S)[1]
+    cells = [html.unescape(re.sub(r"<[^>]+>", "", c)).split() for c in
+             re.findall(r"<td[^>]*>(.*?)</td>", returns, re.S)]
+    assert cells[0] == ["Criterion"], cells
+    assert " ".join(cells[1]).startswith("A Criterion for hist_clip"), cells
+    # Long signatures are formatted one parameter per line.
+    signature = re.search(r'id="optclip.zclip".*?doc-signature.*?<code>(.*?)</code>', page, re.S)[1]
+    assert html.unescape(re.sub(r"<[^>]+>", "", signature)).count("\n") >= 10
