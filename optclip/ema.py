@@ -137,7 +137,7 @@ def _norm_by_ema(normalize, beta, ord, eps, tensorwise, max_ema_growth, ema_init
     def cap_and_divide(a, b, r_prev, first, ema, measurable):
         """Growth cap on the EMA norm ``b`` and the divisor for an update of norm ``a``.
 
-        Returns ``(divisor, capped b, capped flag, rescaled EMA leaves)`` (steps 4-5).
+        Returns ``(divisor, capped b, capped flag, rescaled EMA leaves)``.
         """
         capped = jnp.zeros(b.shape, bool)
         if max_ema_growth is not None:

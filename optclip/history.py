@@ -994,9 +994,10 @@ def quantile_clip(
     References:
       autoclip 0.2.1 ``QuantileClip``; Seetharaman et al., "AutoClip:
       Adaptive Gradient Clipping for Source Separation Networks", MLSP 2020 (arXiv
-      2007.14469), which includes the current norm and keeps an unbounded history (kept
-      as autoclip). Differences: a non-finite norm is not recorded (the reference's window
-      then yields NaN for ``L`` calls); all leaves advance together; no host syncs.
+      2007.14469), which includes the current norm and keeps an unbounded history; optclip,
+      like autoclip, uses the past ``L`` norms only. Differences: a non-finite norm is not
+      recorded (the reference's window then yields NaN for ``L`` calls); all leaves advance
+      together; no host syncs.
       A window dominated by zero norms gives a threshold of 0, as the reference.
 
     Example:
