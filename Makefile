@@ -23,8 +23,12 @@ demo: $(VENV)/.installed-demo
 
 test: $(VENV)/.installed-test
 	$(BIN)/ruff check optclip tests benchmarks
-	@if [ -f mkdocs.yml ]; then $(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site; fi
-	$(BIN)/python -m pytest -n 2 $(PYTEST_ARGS)
+	@# tests/test_docs_site.py looks at a built page in headless Chromium (Debian's package).
+	@command -v chromium >/dev/null 2>&1 || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -qq && \
+		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+	$(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
+	OPTCLIP_DOCS_SITE=$(VENV)/site $(BIN)/python -m pytest -n 2 $(PYTEST_ARGS)
 
 docs: $(VENV)/.installed-test
 	$(BIN)/mkdocs build --strict --site-dir site

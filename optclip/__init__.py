@@ -20,13 +20,13 @@ from optclip.clipping import (
     zscore_normalize,
 )
 
-# family: ema (issue 3)
+# family: ema
 from optclip.ema import clip_norm_by_ema, clip_value_by_ema, normalize_by_ema
 
-# family: growth (issue 3)
+# family: growth
 from optclip.growth import clip_norm_growth, clip_value_growth
 
-# family: history (issue 4)
+# family: history
 from optclip.history import (
     ema_criterion,
     hist_clip,
@@ -40,7 +40,7 @@ from optclip.history import (
     zscore_criterion,
 )
 
-# family: lp_space (issue 5)
+# family: lp_space
 from optclip.lp_space import (
     clamp,
     clamp_params,

@@ -1,10 +1,9 @@
 """Stateless clippers and normalizers, and the functional helpers.
 
 References: torchzero 0.4.4 ``ClipValue``, ``ClipNorm``, ``Normalize``, ``Centralize`` and the
-helpers ``clip_grad_norm_``, ``clip_grad_value_``, ``normalize_grads_`` (spec/torchzero.md
-§1-§2.4); drytorch ``GradNormClipper``, ``GradValueClipper``, ``GradParamNormalizer``,
-``GradZScoreNormalizer`` (spec/adaptive.md §2.2); declearn ``L2Clipping``, ``L2GlobalClipping``
-(spec/lp_space.md §3).
+helpers ``clip_grad_norm_``, ``clip_grad_value_``, ``normalize_grads_``;
+drytorch ``GradNormClipper``, ``GradValueClipper``, ``GradParamNormalizer``,
+``GradZScoreNormalizer``; declearn ``L2Clipping``, ``L2GlobalClipping``.
 
 "Stateless" means the maths keeps no history; the states below hold only a step count (for
 threshold schedules) and the diagnostics of the last step.
@@ -94,7 +93,7 @@ def clip_grad_value(grads: Any, value: ScalarOrSchedule) -> Any:
     Args:
       grads: a pytree of arrays.
       value: the bound, ``> 0`` (torchzero 0.4.4 sets every element to ``value`` when it is
-        negative: spec/torchzero.md §4 D11; optclip rejects it).
+        negative; optclip rejects it).
 
     Returns:
       The clamped tree (each leaf keeps its dtype).
@@ -124,7 +123,7 @@ def _clip_grad_norm(grads, max_norm, ord, dim, inverse_dims, min_size, min_norm)
         if min_norm is None:
             return hi
         lo = jnp.asarray(min_norm, norm.dtype)
-        # torchzero scales tiny (<= 1e-12) slices by min_norm (spec/torchzero.md §4 D8): leave them.
+        # torchzero scales tiny (<= 1e-12) slices by min_norm: leave them.
         grow = (norm > norms.TINY_NORM) & (norm < lo)
         return hi * jnp.where(grow, lo / jnp.where(grow, norm, 1), 1)
 
@@ -160,7 +159,7 @@ def clip_grad_norm(
       The clipped tree (each leaf keeps its dtype).
 
     References:
-      torchzero ``clip_grad_norm_`` (spec/torchzero.md §2.2).
+      torchzero ``clip_grad_norm_``.
 
     Example:
       >>> import jax.numpy as jnp, optclip
@@ -204,7 +203,7 @@ def normalize_grads(
       The normalized tree (each leaf keeps its dtype).
 
     References:
-      torchzero ``normalize_grads_`` (spec/torchzero.md §2.3).
+      torchzero ``normalize_grads_``.
 
     Example:
       >>> import jax.numpy as jnp, optclip
@@ -232,9 +231,8 @@ def clip_value(value: ScalarOrSchedule) -> optax.GradientTransformation:
       before clipping (``max_abs``) and whether anything was clipped.
 
     References:
-      torchzero ``ClipValue``; drytorch ``GradValueClipper`` (spec/torchzero.md §2.1,
-      spec/adaptive.md §2.2). torchzero turns every element into ``value`` when it is negative
-      (§4 D11); optclip rejects a non-positive ``value``.
+      torchzero ``ClipValue``; drytorch ``GradValueClipper``. torchzero turns every
+      element into ``value`` when ``value`` is negative; optclip rejects a non-positive ``value``.
 
     Example:
       >>> import jax.numpy as jnp, optax, optclip
@@ -349,11 +347,11 @@ def clip_norm(
       ``clipped`` flags (``optclip.stats`` reports their max and the clipped fraction).
 
     References:
-      torchzero ``ClipNorm`` (spec/torchzero.md §2.2), declearn ``L2Clipping``. Differences
-      from torchzero 0.4.4: ``dim=None`` is resolved per leaf (§4 D1); negative axes are
-      normalised before ``inverse_dims`` (D3); a slice at or below ``max_norm`` is never scaled
-      (D8); ``'sum'`` never flips signs (D7); ``'std'``/``'var'`` slices of one element are
-      left alone (D9).
+      torchzero ``ClipNorm``, declearn ``L2Clipping``. Differences
+      from torchzero 0.4.4: ``dim=None`` is resolved per leaf; negative axes are
+      normalised before ``inverse_dims``; a slice at or below ``max_norm`` is never scaled
+      (torchzero shrinks slices below ``1e-12``); ``'sum'`` never flips signs;
+      ``'std'``/``'var'`` slices of one element are left alone.
 
     Example:
       >>> import jax.numpy as jnp, optax, optclip
@@ -411,9 +409,9 @@ def normalize(
       An ``optax.GradientTransformation`` whose state logs the measured ``norm`` (per slice).
 
     References:
-      torchzero ``Normalize`` (spec/torchzero.md §2.3); drytorch ``GradParamNormalizer``
-      (spec/adaptive.md §2.2). Differences from torchzero 0.4.4: as for :func:`clip_norm`, plus
-      a zero update is left unchanged in the global path too (it returns NaN: §4 D5, D17).
+      torchzero ``Normalize``; drytorch ``GradParamNormalizer``.
+      Differences from torchzero 0.4.4: as for :func:`clip_norm`, plus
+      a zero update is left unchanged in the global path too (it returns NaN).
 
     Example:
       >>> import jax.numpy as jnp, optax, optclip
@@ -463,8 +461,8 @@ def centralize(dim: Dim = None, inverse_dims: bool = False, min_size: int = 2
       An ``optax.GradientTransformation`` (no state).
 
     References:
-      torchzero ``Centralize`` (spec/torchzero.md §2.4). Differences from torchzero 0.4.4:
-      ``dim=None`` per leaf (§4 D1); 0-d leaves are treated as one element (D4, D10).
+      torchzero ``Centralize``. Differences from torchzero 0.4.4:
+      ``dim=None`` per leaf; 0-d leaves are treated as one element.
 
     Example:
       >>> import jax.numpy as jnp, optax, optclip
@@ -513,8 +511,8 @@ def zscore_normalize(eps: float = 1e-8) -> optax.GradientTransformation:
       An ``optax.GradientTransformation`` (no state).
 
     References:
-      drytorch ``GradZScoreNormalizer`` (spec/adaptive.md §2.2), which turns one-element and
-      0-d gradients into NaN (D13).
+      drytorch ``GradZScoreNormalizer``, which turns one-element and
+      0-d gradients into NaN.
 
     Example:
       >>> import jax.numpy as jnp, optax, optclip
@@ -530,7 +528,7 @@ def zscore_normalize(eps: float = 1e-8) -> optax.GradientTransformation:
             return g
         wide = g.astype(norms.acc_dtype(g.dtype))
         mean = jnp.mean(wide)
-        # drytorch divides by an unbiased std of NaN here (spec/adaptive.md D13): use 0.
+        # drytorch divides by an unbiased std of NaN here: use 0.
         std = jnp.std(wide, ddof=1) if g.size > 1 else jnp.zeros((), wide.dtype)
         return ((wide - mean) / (std + eps)).astype(g.dtype)
 

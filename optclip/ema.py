@@ -1,8 +1,8 @@
 """EMA-referenced clippers: bound each update by an exponential moving average of past updates.
 
-References: torchzero 0.4.4 ``ClipNormByEMA``, ``NormalizeByEMA``, ``ClipValueByEMA``
-(spec/torchzero.md §2.5, §2.6), with the parameter names of torchzero's documented API
-(``eps``, ``ema_init``; spec §3).
+References: torchzero 0.4.4 ``ClipNormByEMA``, ``NormalizeByEMA``, ``ClipValueByEMA``,
+with the parameter names of torchzero's documented API
+(``eps``, ``ema_init``).
 
 The EMA is per element with each leaf's shape (float32 for bf16/f16 leaves, float64 for float64
 leaves), so it is sharded like the parameters. A step whose updates are not finite leaves the
@@ -90,11 +90,11 @@ def lerp(start: jax.Array, end: jax.Array, beta: Any) -> jax.Array:
     """``start + (1 - beta) (end - start)`` as ``torch.lerp`` computes it on CPU.
 
     torch switches formulas at weight 0.5 (``end - (end - start) (1 - w)`` above it); doing
-    the same keeps results within an ulp of the reference (spec/torchzero.md §5).
+    the same keeps results within an ulp of the reference.
     """
     dtype = start.dtype
     if isinstance(beta, numbers.Real):
-        weight = jnp.asarray(1.0 - float(beta), dtype)   # formed in double, then cast (§0.1)
+        weight = jnp.asarray(1.0 - float(beta), dtype)   # formed in double, then cast
         if 1.0 - float(beta) < 0.5:
             return start + weight * (end - start)
         return end - (end - start) * (1 - weight)
@@ -110,7 +110,7 @@ def commit_step(ok: jax.Array, new: Any, old: Any) -> Any:
 
 
 def _double_tiny(dtype) -> jax.Array:
-    # torchzero's fixed divisor floor: twice the smallest normal number (spec §2.5 step 5).
+    # torchzero's fixed divisor floor: twice the smallest normal number.
     return jnp.asarray(2 * jnp.finfo(dtype).tiny, dtype)
 
 
@@ -137,7 +137,7 @@ def _norm_by_ema(normalize, beta, ord, eps, tensorwise, max_ema_growth, ema_init
     def cap_and_divide(a, b, r_prev, first, ema, measurable):
         """Growth cap on the EMA norm ``b`` and the divisor for an update of norm ``a``.
 
-        Returns ``(divisor, capped b, capped flag, rescaled EMA leaves)`` (spec §2.5, steps 4-5).
+        Returns ``(divisor, capped b, capped flag, rescaled EMA leaves)``.
         """
         capped = jnp.zeros(b.shape, bool)
         if max_ema_growth is not None:
@@ -158,7 +158,7 @@ def _norm_by_ema(normalize, beta, ord, eps, tensorwise, max_ema_growth, ema_init
     def _norms_or_zeros(size, groups):
         """Norms of the update and of the EMA (one leaf, or all leaves when not tensorwise).
 
-        ddof=1 metrics of fewer than two elements are NaN in torchzero (spec §4 D9): such a
+        ddof=1 metrics of fewer than two elements are NaN in torchzero: such a
         group reads as norm 0 here and passes unchanged, and its statistics stay finite.
         """
         measure = norms.leaf_norm if tensorwise else norms.global_norm
@@ -268,11 +268,11 @@ def clip_norm_by_ema(
       rescaled the EMA) and ``nonfinite``; per leaf, or scalars when ``tensorwise=False``.
 
     References:
-      torchzero ``ClipNormByEMA`` (spec/torchzero.md §2.5); parameter names of its documented
-      API (§3). Differences from torchzero 0.4.4: a string ``ord`` works with
-      ``tensorwise=True`` (§4 D12); ``tensorwise=False`` never concatenates leaves and
-      ``ord=0`` counts non-zeros instead of raising (D6); ``'sum'`` is ``|Σx|`` (D7);
-      ``'std'``/``'var'`` groups of fewer than two elements pass unchanged (D9);
+      torchzero ``ClipNormByEMA``; parameter names of its documented
+      API. Differences from torchzero 0.4.4: a string ``ord`` works with
+      ``tensorwise=True``; ``tensorwise=False`` never concatenates leaves and
+      ``ord=0`` counts non-zeros instead of raising; ``'sum'`` is ``|Σx|``;
+      ``'std'``/``'var'`` groups of fewer than two elements pass unchanged;
       ``ema_init='update'`` (documented, absent from 0.4.4); a non-finite step leaves the state
       unchanged. torchzero's ``init`` (a constant fill) and ``inner`` are not offered
       (chain transforms instead); the documented ``eps`` is 0.4.4's ``min_norm``, and the divisor
@@ -316,7 +316,7 @@ def normalize_by_ema(
       (``clipped`` means the update was scaled down).
 
     References:
-      torchzero ``NormalizeByEMA`` (spec/torchzero.md §2.5); the differences from torchzero
+      torchzero ``NormalizeByEMA``; the differences from torchzero
       0.4.4 are those of :func:`clip_norm_by_ema`.
 
     Example:
@@ -361,8 +361,8 @@ def clip_value_by_ema(
       clamping (``max_abs``), ``clipped`` and ``nonfinite``.
 
     References:
-      torchzero ``ClipValueByEMA`` (spec/torchzero.md §2.6), documented parameter names
-      (``ema_init``, ``ema_tfm``: §3). ``ema_init='update'`` is 0.4.4's ``init=1``; the
+      torchzero ``ClipValueByEMA``, documented parameter names
+      (``ema_init``, ``ema_tfm``). ``ema_init='update'`` is 0.4.4's ``init=1``; the
       ``inner`` option is not offered (chain transforms instead). A non-finite step leaves the
       EMA and the ``ema_transform`` state unchanged.
 
@@ -415,7 +415,7 @@ def clip_value_by_ema(
                 clipped.append(None)
                 continue
             wide = x.astype(b.dtype)
-            # Lower clamp first, then the upper one (spec §2.6): where B < 0 the result is B.
+            # Lower clamp first, then the upper one: where B < 0 the result is B.
             outputs.append(jnp.minimum(jnp.maximum(wide, -b), b).astype(x.dtype))
             measured.append(max_abs(x))
             clipped.append(jnp.any(jnp.abs(wide) > b))

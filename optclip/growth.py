@@ -1,7 +1,7 @@
 """Growth clippers: bound each update by the previous one.
 
-References: torchzero 0.4.4 ``ClipValueGrowth`` and ``ClipNormGrowth`` (spec/torchzero.md §2.7,
-§2.8), with the parameter names of torchzero's documented API (``parameterwise``; spec §3).
+References: torchzero 0.4.4 ``ClipValueGrowth`` and ``ClipNormGrowth``, with the
+parameter names of torchzero's documented API (``parameterwise``).
 
 The stored reference (the previous update per element, or its norm) is kept in float32 for
 bf16/f16 leaves (float64 for float64 leaves). A step whose updates are not finite leaves the
@@ -25,7 +25,7 @@ from optclip.ema import commit_step
 __all__ = ["ClipNormGrowthGlobalState", "ClipNormGrowthState", "ClipValueGrowthState",
            "clip_norm_growth", "clip_value_growth"]
 
-# torchzero floors the elementwise growth ratio here (spec §2.7 step 2).
+# torchzero floors the elementwise growth ratio here.
 _MIN_RATIO = 1e-8
 
 
@@ -101,7 +101,7 @@ def clip_value_growth(
       ``max_ratio`` (before the multiplicative cap), ``clipped`` and ``nonfinite``.
 
     References:
-      torchzero ``ClipValueGrowth`` (spec/torchzero.md §2.7); same numbers as 0.4.4. A
+      torchzero ``ClipValueGrowth``; same numbers as 0.4.4. A
       non-finite step leaves the reference unchanged.
 
     Example:
@@ -205,13 +205,13 @@ def clip_norm_growth(
       per leaf, or scalars when ``parameterwise=False``.
 
     References:
-      torchzero ``ClipNormGrowth`` (spec/torchzero.md §2.8; 0.4.4 calls ``parameterwise``
+      torchzero ``ClipNormGrowth`` (0.4.4 calls ``parameterwise``
       ``tensorwise``). Differences from torchzero 0.4.4: ``min_value`` floors only the
-      reference, not the divisor (which halves small updates when ``min_value > 1``: §4 D13);
+      reference, not the divisor (which halves small updates when ``min_value > 1``);
       the floor also applies to the first stored norm (a zero first update no longer
-      shrinks the second one to zero: D14); ``add=None, mul=None`` is the identity (it crashes:
-      D15); the global mode never concatenates leaves; string ``ord`` values work; a non-finite
-      step leaves the reference unchanged.
+      shrinks the second one to zero); ``add=None, mul=None`` is the identity (it crashes
+      at the second step); the global mode never concatenates leaves; string ``ord`` values
+      work; a non-finite step leaves the reference unchanged.
 
     Example:
       >>> import jax.numpy as jnp, optclip
@@ -230,7 +230,7 @@ def clip_norm_growth(
     state_cls = ClipNormGrowthState if parameterwise else ClipNormGrowthGlobalState
 
     def divisor_and_reference(n, prev, first, measurable):
-        """Divisor ``d`` and the next reference norm for a group of norm ``n`` (spec §2.8)."""
+        """Divisor ``d`` and the next reference norm for a group of norm ``n``."""
         if not measurable:
             return jnp.ones_like(n), prev
         p = prev if min_value is None else jnp.maximum(prev, _const(min_value, prev))
@@ -241,7 +241,7 @@ def clip_norm_growth(
         if mul is not None:
             cap = p * _const(mul, p)
             d = jnp.where(n > cap, jnp.maximum(d, n / cap), d)
-        # torchzero also floors d at min_value here (§4 D13): min_value floors the reference only.
+        # torchzero also floors d at min_value here: min_value floors the reference only.
         new_prev = n / d
         if max_decay is not None:
             new_prev = jnp.where(n / p < 1 / _const(max_decay, p), p / _const(max_decay, p),

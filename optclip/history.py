@@ -1,22 +1,22 @@
 """History-based adaptive clipping: drytorch criteria, ZClip and AutoClip.
 
-References (spec/adaptive.md): drytorch 0.1.0rc11 ``max_clipping``, ``mean_clipping``,
+References: drytorch 0.1.0rc11 ``max_clipping``, ``mean_clipping``,
 ``reciprocal_clipping``, ``EMACriterion``, ``ZStatCriterion``, ``HistClipper``,
-``ParamHistClipper`` (§2); zclip 1.0.0 ``ZClip`` (§3, arXiv 2504.02507); autoclip 0.2.1
-``QuantileClip``, ``StandardClip`` (§5). The JAX formulation follows §7: fixed-size buffers, a
+``ParamHistClipper``; zclip 1.0.0 ``ZClip`` (arXiv 2504.02507); autoclip 0.2.1
+``QuantileClip``, ``StandardClip``. The JAX formulation uses fixed-size buffers, a
 step counter, masks instead of Python branches, statistics in float32 (float64 under x64).
 
 Every transform owns its state (drytorch's default ``HistClipper`` instances share one criterion
-object: D1). A non-finite norm never enters a buffer or a statistic, and does not advance the
+object). A non-finite norm never enters a buffer or a statistic, and does not advance the
 warm-up: the whole state stays as it was, the step is counted in ``nonfinite``, and the output
-follows the formula so that ``optax.apply_if_finite`` can drop it (D8, Z2, A4).
+follows the formula so that ``optax.apply_if_finite`` can drop it.
 
 Reference defects that change ordinary numbers are fixed behind one keyword, ``parity``:
 ``"fixed"`` (default) is the behaviour a user wants, ``"reference"`` reproduces the reference
-(D4, D5 in :func:`ema_criterion` and :func:`hist_clip`; Z1, Z3 in :func:`zclip`; A2 in
-:func:`standard_clip`). Documented reference behaviour that is a design choice rather than a bug
-(raw-norm feedback D2, the variance prior D3, the two-sided test D7, ``clip_factor`` Z4, the 1.0
-cap Z5, std-only threshold A1, torch's ``max_norm / (norm + 1e-6)`` rule) is kept; options
+(in :func:`ema_criterion`, :func:`hist_clip`, :func:`zclip` and :func:`standard_clip`).
+Documented reference behaviour that is a design choice rather than a bug
+(raw-norm feedback, the variance prior, the two-sided test, ``clip_factor``, the 1.0
+cap, std-only threshold, torch's ``max_norm / (norm + 1e-6)`` rule) is kept; options
 select the alternatives.
 """
 
@@ -42,15 +42,15 @@ __all__ = [
 
 Parity = Literal["fixed", "reference"]
 _PARITY = ("fixed", "reference")
-# torch.nn.utils.clip_grad_norm_ divides by ``norm + 1e-6`` (spec/adaptive.md §1), and so does
-# ZClip's own rule (§3.3).
+# torch.nn.utils.clip_grad_norm_ divides by ``norm + 1e-6``, and so does
+# ZClip's own rule.
 _TORCH_EPS = 1e-6
-# drytorch ZStatCriterion's eps in the z-score denominator (§2.5).
+# drytorch ZStatCriterion's eps in the z-score denominator.
 _ZSTAT_EPS = 1e-8
 
 
 def _torch_clip_factor(max_norm: jax.Array, norm: jax.Array) -> jax.Array:
-    """torch's ``clip_grad_norm_`` factor ``min(1, max_norm / (norm + 1e-6))`` (§1, TCLIP).
+    """torch's ``clip_grad_norm_`` factor ``min(1, max_norm / (norm + 1e-6))``.
 
     Exactly 1 when ``norm + 1e-6 <= max_norm`` (so "no clipping" leaves values bit-identical);
     a norm equal to ``max_norm`` is still shrunk by ``max_norm / (max_norm + 1e-6)``.
@@ -108,7 +108,7 @@ def _count_up(counter: jax.Array, flag: jax.Array) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------------------------
-# Clipping functions (drytorch §2.3). ``z`` is what the criterion passes in: ``|z-score|`` for
+# Clipping functions. ``z`` is what the criterion passes in: ``|z-score|`` for
 # :func:`zscore_criterion`, the ratio ``norm / mean`` for :func:`ema_criterion`.
 
 def max_clipping(z: jax.Array, z_thresh: jax.Array | float) -> jax.Array:
@@ -125,7 +125,7 @@ def max_clipping(z: jax.Array, z_thresh: jax.Array | float) -> jax.Array:
       ``z_thresh`` broadcast to the shape of ``z``.
 
     References:
-      drytorch ``max_clipping`` (spec/adaptive.md §2.3).
+      drytorch ``max_clipping``.
 
     Example:
       >>> import optclip
@@ -139,8 +139,8 @@ def mean_clipping(z: jax.Array, z_thresh: jax.Array | float) -> jax.Array:
     """drytorch's ``mean_clipping``: returns 0 whatever its arguments are.
 
     With :func:`zscore_criterion` a spike is clipped to the running mean (a z-score of 0). With
-    :func:`ema_criterion` the reference multiplies the mean by this 0 and zeroes the gradients
-    (D5); ``ema_criterion`` treats ``mean_clipping`` as "clip to the mean" unless
+    :func:`ema_criterion` the reference multiplies the mean by this 0 and zeroes the gradients;
+    ``ema_criterion`` treats ``mean_clipping`` as "clip to the mean" unless
     ``parity="reference"``.
 
     Args:
@@ -151,7 +151,7 @@ def mean_clipping(z: jax.Array, z_thresh: jax.Array | float) -> jax.Array:
       Zeros of the shape of ``z``.
 
     References:
-      drytorch ``mean_clipping`` (spec/adaptive.md §2.3, D5).
+      drytorch ``mean_clipping``.
 
     Example:
       >>> import optclip
@@ -168,7 +168,7 @@ def reciprocal_clipping(z: jax.Array, z_thresh: jax.Array | float) -> jax.Array:
     For ``z > z_thresh`` the result lies in ``(0, z_thresh)``: a new z-score (with
     :func:`zscore_criterion`, clip value ``mean + z_thresh**2 * std / |z|``) or a new ratio to
     the mean (with :func:`ema_criterion`, clip value ``r_thresh**2 * mean**2 / norm``). It is not
-    a factor in (0, 1) as the reference's docstring says (D6).
+    a factor in (0, 1) as the reference's docstring says.
 
     Args:
       z: the statistic the criterion passes in (any shape; traceable).
@@ -178,7 +178,7 @@ def reciprocal_clipping(z: jax.Array, z_thresh: jax.Array | float) -> jax.Array:
       ``z_thresh**2 / z``.
 
     References:
-      drytorch ``reciprocal_clipping`` (spec/adaptive.md §2.3, D6); arXiv 2504.02507.
+      drytorch ``reciprocal_clipping``; arXiv 2504.02507.
 
     Example:
       >>> import optclip
@@ -189,7 +189,7 @@ def reciprocal_clipping(z: jax.Array, z_thresh: jax.Array | float) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------------------------
-# Criteria (drytorch §2.4, §2.5).
+# Criteria.
 
 @dataclasses.dataclass(frozen=True)
 class Criterion:
@@ -242,7 +242,7 @@ class EMACriterionState(NamedTuple):
 
 class ZScoreCriterionState(NamedTuple):
     mean: jax.Array       # EMA of the norm (0 = no information yet)
-    var: jax.Array        # EMA of the squared deviation; starts at 1.0 (drytorch D3)
+    var: jax.Array        # EMA of the squared deviation; starts at 1.0
 
 
 def _check_clip_fn(clip_fn: Any) -> None:
@@ -271,15 +271,15 @@ def ema_criterion(
       clip_fn: ``(ratio, r_thresh) -> new ratio``; one of :func:`max_clipping`,
         :func:`mean_clipping`, :func:`reciprocal_clipping` or your own traceable function.
       parity: ``"fixed"`` (default) or ``"reference"``. ``"fixed"`` clips to the mean with
-        ``mean_clipping`` (the reference multiplies the mean by its 0 and zeroes the gradients,
-        D5), and starts the EMA at the first norm it sees while ``mu == 0`` (the reference
-        averages in from 0 and then clips almost every call to a fraction of the norm, D4).
+        ``mean_clipping`` (the reference multiplies the mean by its 0 and zeroes the gradients),
+        and starts the EMA at the first norm it sees while ``mu == 0`` (the reference
+        averages in from 0 and then clips almost every call to a fraction of the norm).
 
     Returns:
       A :class:`Criterion` for :func:`hist_clip` / :func:`param_hist_clip`.
 
     References:
-      drytorch ``EMACriterion`` (spec/adaptive.md §2.4; D4, D5). ``alpha`` is validated (the
+      drytorch ``EMACriterion``. ``alpha`` is validated (the
       reference does not check it).
 
     Example:
@@ -294,7 +294,7 @@ def ema_criterion(
     _check_clip_fn(clip_fn)
     _check_parity(parity)
     fixed = parity == "fixed"
-    # drytorch D5: mean_clipping's 0 is a z-score ("the mean"); as a ratio the mean is 1.
+    # mean_clipping's 0 is a z-score ("the mean"); as a ratio the mean is 1.
     to_mean = fixed and clip_fn is mean_clipping
 
     def init(dtype) -> EMACriterionState:
@@ -317,7 +317,7 @@ def ema_criterion(
 
     def update(state, value):
         mean = alpha * state.mean + (1 - alpha) * value
-        if fixed:  # drytorch D4: an EMA started at 0 without bias correction; start at `value`.
+        if fixed:  # an EMA started at 0 without bias correction; start at `value`.
             mean = jnp.where(state.mean != 0, mean, value)
         return EMACriterionState(mean.astype(state.mean.dtype))
 
@@ -336,7 +336,7 @@ def zscore_criterion(
     a clip value above the norm, so it changes nothing); clip value
     ``mu + clip_fn(|z|, z_thresh) * sqrt(v)`` (``reciprocal_clipping``:
     ``mu + z_thresh**2 * sqrt(v) / |z|``, the ZClip rule). The warm-up installs the mean and the
-    unbiased variance (a variance of 0 is ignored: ``v`` keeps its initial 1.0, D3). Each later
+    unbiased variance (a variance of 0 is ignored: ``v`` keeps its initial 1.0). Each later
     call does ``v <- alpha * v + (1 - alpha) * (x - mu)**2`` and then
     ``mu <- alpha * mu + (1 - alpha) * x`` (deviation from the old mean).
 
@@ -350,8 +350,8 @@ def zscore_criterion(
       A :class:`Criterion` for :func:`hist_clip` / :func:`param_hist_clip`.
 
     References:
-      drytorch ``ZStatCriterion`` (spec/adaptive.md §2.5; D3, D7). How it differs from ZClip:
-      spec §4 and :func:`zclip`.
+      drytorch ``ZStatCriterion``. How it differs from ZClip: see
+      :func:`zclip` and the history-based clipping guide.
 
     Example:
       >>> import jax.numpy as jnp, optclip
@@ -369,7 +369,7 @@ def zscore_criterion(
 
     def set_statistics(state, mean, variance):
         variance = jnp.asarray(variance, state.var.dtype)
-        # drytorch keeps the old variance unless the new one is > 0 (D3; NaN fails too).
+        # drytorch keeps the old variance unless the new one is > 0 (NaN fails too).
         return ZScoreCriterionState(jnp.asarray(mean, state.mean.dtype),
                                     jnp.where(variance > 0, variance, state.var))
 
@@ -393,7 +393,7 @@ def zscore_criterion(
 
 
 # ---------------------------------------------------------------------------------------------
-# hist_clip / param_hist_clip (drytorch HistClipper, ParamHistClipper: §2.7, §2.8, §7.3).
+# hist_clip / param_hist_clip (drytorch HistClipper, ParamHistClipper).
 
 _HIST_FIELDS = ("norm", "threshold", "scale", "clipped", "count", "spikes", "nonfinite")
 
@@ -427,7 +427,7 @@ class ParamHistClipState(NamedTuple):
 
 
 def _warmup_statistics(buffer: jax.Array, steps: int) -> tuple[jax.Array, jax.Array]:
-    """Warm-up mean and unbiased variance over the last axis (1.0 for < 2 samples, §2.6)."""
+    """Warm-up mean and unbiased variance over the last axis (1.0 for < 2 samples)."""
     if steps == 0:
         shape = buffer.shape[:-1]
         return jnp.zeros(shape, buffer.dtype), jnp.ones(shape, buffer.dtype)
@@ -448,7 +448,7 @@ def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_
         raise TypeError("warmup_transform must be an optax.GradientTransformation or None, got "
                         f"{warmup_transform!r}")
     _check_parity(parity)
-    # drytorch accepts 0 warm-up steps and starts the statistics from 0 (D4).
+    # drytorch accepts 0 warm-up steps and starts the statistics from 0.
     checks.integer("warmup_steps", warmup_steps, low=1 if parity == "fixed" else 0)
     checks.one_of("feedback", feedback, ("raw", "clip_value"))
     steps = warmup_steps
@@ -506,13 +506,13 @@ def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_
         count = state.count
         warm = count < steps
 
-        # Warm-up: record the raw norm (§2.7 step 2); the criterion is neither read nor updated.
+        # Warm-up: record the raw norm; the criterion is neither read nor updated.
         buffer = state.warmup_norms
         if steps >= 1:
             recorded = buffer.at[..., jnp.minimum(count, steps - 1)].set(norm)
             buffer = jnp.where(warm, recorded, buffer)
 
-        # Call N + 1 installs the warm-up statistics and is judged by the criterion (§2.7).
+        # Call N + 1 installs the warm-up statistics and is judged by the criterion.
         mean, variance = _warmup_statistics(state.warmup_norms, steps)
         crit = _where_tree(count == steps,
                            criterion.set_statistics(state.criterion, mean, variance),
@@ -520,7 +520,7 @@ def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_
         should = criterion.should_clip(crit, norm)
         value = criterion.clip_value(crit, norm)
         crit_scale = jnp.where(should, _torch_clip_factor(value, norm), 1).astype(dtype)
-        # drytorch feeds the raw norm back (D2); "clip_value" feeds ZClip-style the clip value.
+        # drytorch feeds the raw norm back; "clip_value" feeds ZClip-style the clip value.
         fed = jnp.where(should, value, norm) if feedback == "clip_value" else norm
         crit = _where_tree(warm, state.criterion, criterion.update(crit, fed))
         threshold = value.astype(dtype)
@@ -543,7 +543,7 @@ def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_
 
         finite = jnp.all(jnp.isfinite(norm))
         clipped = scale < 1
-        # A non-finite norm leaves the whole state as it was (drytorch D8): only counted.
+        # A non-finite norm leaves the whole state as it was: only counted.
         keep = lambda new, old: _where_tree(finite, new, old)
         last_finite = lambda new, old: stats_lib.keep_finite(
             new, _stack_diag(old, per_leaf, dtype))
@@ -597,14 +597,14 @@ def hist_clip(
         keeps its state inside this state and advances only during the warm-up);
         ``optax.identity()`` is drytorch's ``NoOp``. Default ``None``: torch's rule at 1.0,
         ``min(1, 1 / (n + 1e-6))``, which is drytorch's default ``GradNormClipper(1)`` exactly.
-        ``optclip.clip_by_global_norm(1.0)`` (API.md's stated default) clips exactly to 1, a
+        ``optclip.clip_by_global_norm(1.0)`` clips exactly to 1, a
         relative difference of about ``1e-6 / n`` on clipped warm-up calls; pass it if you
         prefer that.
       warmup_steps: ``N``, the number of warm-up calls, ``>= 1`` (``>= 0`` with
         ``parity="reference"``: drytorch then starts the statistics from a mean of 0).
       feedback: ``"raw"`` (default, drytorch) updates the statistics with the unclipped norm;
         ``"clip_value"`` updates them with the clip value on clipped calls (ZClip's feedback,
-        so one spike does not inflate the variance and hide the next: D2).
+        so one spike does not inflate the variance and hide the next).
       parity: ``"fixed"`` (default) or ``"reference"`` (allows ``warmup_steps=0``). Give
         ``ema_criterion(parity="reference")`` too for the reference's zero-start EMA.
 
@@ -616,11 +616,11 @@ def hist_clip(
       ``scale``, ``clipped``, ``count`` (saturates at N + 1), ``spikes`` and ``nonfinite``.
 
     References:
-      drytorch ``HistClipper`` (spec/adaptive.md §2.7, §7.3). Differences: each transform owns
-      its criterion state (the reference's default instances share one criterion, D1); a
+      drytorch ``HistClipper``. Differences: each transform owns
+      its criterion state (the reference's default instances share one criterion); a
       non-finite norm is not recorded, does not update the statistics or advance the warm-up
-      (the reference's statistics become inf/NaN for good, D8); norms are accumulated in
-      float32 or wider (D9); no host syncs (D12).
+      (the reference's statistics become inf/NaN for good); norms are accumulated in
+      float32 or wider; no host syncs.
 
     Example:
       >>> import jax.numpy as jnp, optax, optclip
@@ -659,10 +659,10 @@ def param_hist_clip(
       stacked, entry ``j`` belonging to the ``j``-th floating leaf of ``jax.tree.leaves``.
 
     References:
-      drytorch ``ParamHistClipper`` (spec/adaptive.md §2.8). Differences: state is keyed by
+      drytorch ``ParamHistClipper``. Differences: state is keyed by
       pytree position and all leaves advance together (the reference keys by ``id(param)`` and
-      skips ``None`` gradients, D10); every leaf starts from a fresh criterion state (D11); a
-      non-finite leaf norm leaves the whole state unchanged (D8).
+      skips ``None`` gradients); every leaf starts from a fresh criterion state; a
+      non-finite leaf norm leaves the whole state unchanged.
 
     Example:
       >>> import jax.numpy as jnp, optax, optclip
@@ -679,7 +679,7 @@ def param_hist_clip(
 
 
 # ---------------------------------------------------------------------------------------------
-# ZClip (zclip 1.0.0: §3, §7.3).
+# ZClip (zclip 1.0.0).
 
 @stats_lib.diagnostic("zclip", ("norm", "threshold", "scale", "clipped", "mean", "var",
                                 "count", "spikes", "nonfinite"))
@@ -731,21 +731,21 @@ def zclip(
       z_thresh: z-score threshold (std multiplier in percentile mode), ``> 0``.
       max_grad_norm: cap on the threshold after the warm-up and clip norm during it, ``> 0``,
         or ``None`` for neither. The default 1.0 (zclip 1.0.0's code; its README says ``None``)
-        makes ZClip also a fixed clip at 1.0 on every call (Z5).
+        makes ZClip also a fixed clip at 1.0 on every call.
       eps: added to the std in the z-score denominator, ``>= 0``.
       warmup_steps: W, ``>= 2`` (``>= 0`` with ``parity="reference"``, where 0 and 1 both mean
-        1 and start with a variance of 0: Z3).
+        1 and start with a variance of 0).
       mode: ``"zscore"`` or ``"percentile"`` (case-insensitive; "percentile" is a
         mean + k·std rule, not a percentile).
       clip_option: ``"adaptive_scaling"`` or ``"mean"`` (case-insensitive); ignored in
         percentile mode.
       clip_factor: ``> 0``; multiplies the whole adaptive threshold, mean included, and that
         scaled value is what the EMA sees (the reference's code; its docstring says only the
-        ``z_thresh * std`` term: Z4).
+        ``z_thresh * std`` term).
       skip_update_on_spike: leave the EMAs untouched on a spike.
       parity: ``"fixed"`` (default) detects spikes only once ``std > 0`` (with a variance of 0
         the reference pins every larger norm to the mean, or to 0 after all-zero warm-up
-        gradients, for good: Z1); ``"reference"`` reproduces that and allows
+        gradients, for good); ``"reference"`` reproduces that and allows
         ``warmup_steps < 2``.
 
     Returns:
@@ -755,12 +755,13 @@ def zclip(
       ``mean``, ``var``, ``count``, ``spikes`` and ``nonfinite``.
 
     References:
-      zclip 1.0.0 ``ZClip`` (spec/adaptive.md §3, §7.3); Kumar et al., "ZClip: Adaptive Spike
+      zclip 1.0.0 ``ZClip``; Kumar et al., "ZClip: Adaptive Spike
       Mitigation for LLM Pre-Training", arXiv 2504.02507. Differences: a non-finite norm is
-      neither buffered nor fed to the EMAs (the reference's statistics become NaN for good, Z2);
-      the norm is accumulated in float32 or wider, not in the first parameter's dtype (Z7);
-      ``mode`` and ``clip_option`` are validated alike (Z6); no host sync (Z9). How it differs
-      from drytorch's ``zscore_criterion`` in :func:`hist_clip`: spec §4 and the docs.
+      neither buffered nor fed to the EMAs (the reference's statistics become NaN for good);
+      the norm is accumulated in float32 or wider, not in the first parameter's dtype;
+      ``mode`` and ``clip_option`` are validated alike; no host sync. How it differs
+      from drytorch's ``zscore_criterion`` in :func:`hist_clip`: see the history-based
+      clipping guide.
 
     Example:
       >>> import jax.numpy as jnp, optax, optclip
@@ -807,7 +808,7 @@ def zclip(
         warm = count < steps
         cap = None if max_grad_norm is None else jnp.asarray(max_grad_norm, dtype)
 
-        # Warm-up (§3.3 step 2): buffer the norm; the call that fills it starts the EMAs with
+        # Warm-up: buffer the norm; the call that fills it starts the EMAs with
         # the buffer's mean and population variance.
         buffer = jnp.where(warm, state.warmup_norms.at[jnp.minimum(count, steps - 1)].set(norm),
                            state.warmup_norms)
@@ -816,7 +817,7 @@ def zclip(
         completes = warm & (count + 1 == steps)
         warm_scale = jnp.ones((), dtype) if cap is None else _torch_clip_factor(cap, norm)
 
-        # Active (§3.3 steps 3-5).
+        # Active.
         mean, var = state.mean, state.var
         std = jnp.sqrt(var)
         if mode == "percentile":
@@ -829,7 +830,7 @@ def zclip(
                 threshold = mean
             else:
                 threshold = clip_factor * (mean + z_thresh * std / (z / z_thresh))
-        if fixed:  # zclip Z1: a variance of 0 carries no information; detect nothing yet.
+        if fixed:  # a variance of 0 carries no information; detect nothing yet.
             spike = spike & (std > 0)
         adaptive = jnp.where(spike, threshold, norm)
         # Python min(adaptive, cap): the first argument wins ties and NaN.
@@ -862,7 +863,7 @@ def zclip(
 
 
 # ---------------------------------------------------------------------------------------------
-# AutoClip (autoclip 0.2.1 QuantileClip, StandardClip: §5, §7.3).
+# AutoClip (autoclip 0.2.1 QuantileClip, StandardClip).
 
 _AUTOCLIP_FIELDS = ("norm", "threshold", "scale", "clipped", "filled", "nonfinite")
 
@@ -892,7 +893,7 @@ class StandardClipState(NamedTuple):
 
 
 def _torch_lerp(a: jax.Array, b: jax.Array, w: jax.Array) -> jax.Array:
-    """torch.lerp's two-sided formula (§5.5)."""
+    """torch.lerp's two-sided formula."""
     return jnp.where(jnp.abs(w) < 0.5, a + w * (b - a), b - (1 - w) * (b - a))
 
 
@@ -944,14 +945,14 @@ def _autoclip(threshold_fn, history_length, global_threshold, state_cls):
             norm = norms.global_norm(updates).astype(dtype)
         else:
             norm = _stack([norms.leaf_norm(x, 2.0) for x in _float_leaves(updates)], dtype)
-        # The threshold comes from past norms only (autoclip A5); none while the history is
+        # The threshold comes from past norms only; none while the history is
         # empty, so call 1 is never clipped.
         threshold = jnp.where(state.filled > 0, threshold_fn(state.history, state.filled),
                               jnp.inf).astype(dtype)
         scale = _torch_clip_factor(threshold, norm).astype(dtype)
         history = state.history.at[..., state.pos].set(norm)
         finite = jnp.all(jnp.isfinite(norm))
-        # autoclip records inf/NaN norms, poisoning the window for history_length calls (A4).
+        # autoclip records inf/NaN norms, poisoning the window for history_length calls.
         keep = lambda new, old: jnp.where(finite, new, old)
         last_finite = lambda new, old: stats_lib.keep_finite(new, _stack_diag(old, per_leaf, dtype))
         return _scale_leaves(updates, scale), state_cls(
@@ -991,12 +992,13 @@ def quantile_clip(
       and ``nonfinite``.
 
     References:
-      autoclip 0.2.1 ``QuantileClip`` (spec/adaptive.md §5); Seetharaman et al., "AutoClip:
+      autoclip 0.2.1 ``QuantileClip``; Seetharaman et al., "AutoClip:
       Adaptive Gradient Clipping for Source Separation Networks", MLSP 2020 (arXiv
-      2007.14469), which includes the current norm and keeps an unbounded history (§5.6; kept
-      as autoclip: A5). Differences: a non-finite norm is not recorded (the reference's window
-      then yields NaN for ``L`` calls, A4); all leaves advance together (A8); no host syncs
-      (A9). A window dominated by zero norms gives a threshold of 0, as the reference (A3).
+      2007.14469), which includes the current norm and keeps an unbounded history; optclip,
+      like autoclip, uses the past ``L`` norms only. Differences: a non-finite norm is not
+      recorded (the reference's window then yields NaN for ``L`` calls); all leaves advance
+      together; no host syncs.
+      A window dominated by zero norms gives a threshold of 0, as the reference.
 
     Example:
       >>> import jax.numpy as jnp, optax, optclip
@@ -1025,7 +1027,7 @@ def standard_clip(
     ``g <- g * min(1, c / (n + 1e-6))`` with ``c = deviations * std(h)`` (unbiased) over the
     pre-clip norms ``h`` of the previous ``history_length`` calls; ``c = inf`` until the
     history holds two norms. Note the reference's threshold has no mean term: with typical
-    norms (std much smaller than the mean) it clips nearly every call to a small norm (A1);
+    norms (std much smaller than the mean) it clips nearly every call to a small norm;
     ``add_mean=True`` uses ``mean(h) + deviations * std(h)`` instead.
 
     Args:
@@ -1036,7 +1038,7 @@ def standard_clip(
         std``.
       parity: ``"fixed"`` (default) does not clip while the history holds one norm;
         ``"reference"`` reproduces autoclip, whose std of one sample is NaN, turning every
-        gradient of the second call into NaN (A2).
+        gradient of the second call into NaN.
 
     Returns:
       An ``optax.GradientTransformation`` whose state logs ``norm``, ``threshold`` (the norm
@@ -1044,9 +1046,9 @@ def standard_clip(
       and ``nonfinite``.
 
     References:
-      autoclip 0.2.1 ``StandardClip`` (spec/adaptive.md §5; A1, A2). Differences as for
+      autoclip 0.2.1 ``StandardClip``. Differences as for
       :func:`quantile_clip`. A constant history (or ``deviations=0``) gives a threshold of 0 and
-      zeroes the gradients, as the reference (A3).
+      zeroes the gradients, as the reference.
 
     Example:
       >>> import jax.numpy as jnp, optax, optclip

@@ -1,24 +1,24 @@
 """Lp-space gradient transforms, parameter projections and Frank-Wolfe (rai_toolbox).
 
 rai_toolbox 0.2.1 wraps an inner torch optimizer to sign, normalize, sparsify or clamp each
-gradient slice before the step, and to project the parameters after it (spec/lp_space.md). In
+gradient slice before the step, and to project the parameters after it. In
 optax these become small transforms:
 
 * pre-step transforms (``sign``, ``l1_normalize``, ``l2_normalize``, ``top_q``,
   ``l1q_normalize``, ``clamp``) go *before* the inner optimizer, on the raw gradient, and end with
-  ``g * grad_scale + grad_bias`` (spec §1.3);
+  ``g * grad_scale + grad_bias``;
 * projections (``project_l2_ball``, ``project_linf_ball``, ``clamp_params``) go *last* and need
-  ``params``: they return ``P(params + u) - params`` (spec §4.2);
+  ``params``: they return ``P(params + u) - params``;
 * Frank-Wolfe (``frank_wolfe`` and the ``l*_frank_wolfe`` family) *replaces* the inner optimizer,
-  needs ``params`` and returns ``p_new - p`` (spec §2.8, §2.9).
+  needs ``params`` and returns ``p_new - p``.
 
-``param_ndim`` cuts each leaf into slices (spec §1.2): ``None`` is the whole leaf, ``k >= 0`` the
+``param_ndim`` cuts each leaf into slices: ``None`` is the whole leaf, ``k >= 0`` the
 last ``k`` axes, ``k < 0`` the last ``ndim + k`` axes. It is resolved per leaf by
 :func:`optclip._core.axes.reduction_axes`; ``|param_ndim|`` larger than a leaf's rank fails at
-``init``. The default ``-1`` makes every element of a 1-D leaf its own slice (spec §6 S1).
+``init``. The default ``-1`` makes every element of a 1-D leaf its own slice.
 
 Rounding caveat for projections and Frank-Wolfe: ``optax.apply_updates`` computes
-``params + (P(x) - params)``, which can differ from ``P(x)`` by one ulp (spec §4.2), so a bound
+``params + (P(x) - params)``, which can differ from ``P(x)`` by one ulp, so a bound
 can be exceeded by one ulp; project again after ``apply_updates`` when it must hold exactly.
 """
 
@@ -48,7 +48,7 @@ __all__ = [
 
 # rai_toolbox's ``div_by_zero_eps`` default: float32's smallest normal number, 2**-126.
 TINY = float(np.finfo(np.float32).tiny)
-# torch's ``renorm`` adds this to the norm in L2ProjectedOptim (spec §2.3, §6 S9).
+# torch's ``renorm`` adds this to the norm in L2ProjectedOptim.
 RENORM_EPS = 1e-7
 
 
@@ -164,7 +164,7 @@ def _check_q(q: Any, dq: Any, seed: Any) -> None:
 
 
 def _check_param_ndim_on(tree: Any, param_ndim: int | None, name: str) -> None:
-    """At ``init``: every float leaf must accept ``param_ndim`` (spec §1.1; §6 D12, D13)."""
+    """At ``init``: every float leaf must accept ``param_ndim``."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if norms.is_float(leaf):
             try:
@@ -184,7 +184,7 @@ def _per_leaf(fn, tree: Any) -> Any:
 
 
 def _affine(g: jax.Array, grad_scale: Any, grad_bias: Any) -> jax.Array:
-    """``g * grad_scale + grad_bias`` in the leaf dtype, skipping a literal 1 / 0 (spec §1.3)."""
+    """``g * grad_scale + grad_bias`` in the leaf dtype, skipping a literal 1 / 0."""
     if not (_is_number(grad_scale) and grad_scale == 1):
         g = g * jnp.asarray(grad_scale).astype(g.dtype)
     if not (_is_number(grad_bias) and grad_bias == 0):
@@ -202,7 +202,7 @@ def _require_params(params: Any, name: str) -> None:
 # Per-slice maths on one leaf.
 
 def _sign(g: jax.Array) -> jax.Array:
-    """``sign(g)`` with ``sign(±0) = +0`` (torch); NaN propagates (spec §6 S8)."""
+    """``sign(g)`` with ``sign(±0) = +0`` (torch); NaN propagates."""
     return jnp.where(g == 0, jnp.zeros_like(g), jnp.sign(g))
 
 
@@ -215,9 +215,9 @@ def _normalized(g: jax.Array, ord: float, axes: tuple[int, ...], eps: Any
     reciprocal would be subnormal (``>= 1/tiny``, inf included) while the slice is non-zero and
     finite, the slice is first scaled by a power of two that brings its max-abs into [0.5, 1),
     so the output has unit norm: the reference returns 8.5e7 for [1e-30, 0] and [0, 0] for
-    [3e38, 3e38] (spec §6 D4). A zero slice stays zero in every dtype, also for ``eps=0`` (the
-    reference gives NaN in float16: §6 D5). XLA turns the division by a per-slice value into a
-    multiplication by its reciprocal, so results can differ from the reference by an ulp (§4.3).
+    [3e38, 3e38]. A zero slice stays zero in every dtype, also for ``eps=0`` (the
+    reference gives NaN in float16). XLA turns the division by a per-slice value into a
+    multiplication by its reciprocal, so results can differ from the reference by an ulp.
     """
     wide = g.astype(norms.acc_dtype(g.dtype))
     norm = norms.slice_norm(wide, ord, axes)
@@ -276,8 +276,8 @@ def _slice_mask(mask: jax.Array, like: jax.Array) -> jax.Array:
 def _ranks(g: jax.Array, axes: tuple[int, ...]) -> jax.Array:
     """Rank of every entry by descending ``|g|`` within its slice, shape ``(*batch, D)``.
 
-    Stable: ties go to the lowest index first (torch.topk breaks them arbitrarily: spec §6 D6);
-    NaN ranks as the largest (it is kept, as in the reference: §2.5).
+    Stable: ties go to the lowest index first (torch.topk breaks them arbitrarily);
+    NaN ranks as the largest (it is kept, as in the reference).
     """
     magnitude = jnp.abs(_slice_rows(g, axes))
     magnitude = jnp.where(jnp.isnan(magnitude), jnp.inf, magnitude)
@@ -286,7 +286,7 @@ def _ranks(g: jax.Array, axes: tuple[int, ...]) -> jax.Array:
 
 
 def _static_k(q: float, size: int) -> int:
-    """``round((1 - q) * D)`` in double precision, half to even (spec §2.5, §6 S2)."""
+    """``round((1 - q) * D)`` in double precision, half to even."""
     return round((1.0 - float(q)) * size)
 
 
@@ -309,7 +309,7 @@ def _top_q_kept(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array) -> jax.
 
 
 def _l1q(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array, eps: Any) -> jax.Array:
-    """Top-k, sign, L1-normalize: ``±1/c`` on the ``c`` non-zero kept entries (spec §2.6)."""
+    """Top-k, sign, L1-normalize: ``±1/c`` on the ``c`` non-zero kept entries."""
     signs = _sign(_top_q_kept(g, axes, k))
     return _normalized(signs, 1.0, axes, eps)[0].astype(g.dtype)
 
@@ -318,7 +318,7 @@ def _l1_lmo(g: jax.Array, axes: tuple[int, ...]) -> jax.Array:
     """One-hot ``sign(g_i*) e_i*`` at the first argmax of ``|g|`` of every flattened slice.
 
     rai_toolbox 0.2.1 takes the argmax along the first reduced axis only, which is wrong for
-    slices of two or more axes (spec §6 D2).
+    slices of two or more axes.
     """
     rows = _slice_rows(g, axes)
     if rows.shape[-1] == 0:
@@ -332,7 +332,7 @@ def _l1_lmo(g: jax.Array, axes: tuple[int, ...]) -> jax.Array:
 # The random drop fraction (dq > 0): one draw per float leaf per step, from a key in the state.
 
 class _DropFraction:
-    """Static-or-drawn ``q`` per leaf and the matching ``k`` (spec §2.5 steps 1-2, §4.2)."""
+    """Static-or-drawn ``q`` per leaf and the matching ``k``."""
 
     def __init__(self, q: Any, dq: Any, seed: int):
         self.q, self.dq, self.seed = q, dq, seed
@@ -393,8 +393,8 @@ def sign(grad_scale: float = 1.0, grad_bias: float = 0.0) -> optax.GradientTrans
       inner optimizer.
 
     References:
-      rai_toolbox ``SignedGradientOptim`` (spec/lp_space.md §2.1). ``torch.sign(NaN)`` is 0;
-      optclip keeps JAX's NaN so that ``optax.apply_if_finite`` can see it (§6 S8).
+      rai_toolbox ``SignedGradientOptim``. ``torch.sign(NaN)`` is 0;
+      optclip keeps JAX's NaN so that ``optax.apply_if_finite`` can see it.
 
     Example:
       >>> import jax.numpy as jnp, optax, optclip
@@ -449,7 +449,7 @@ def l1_normalize(param_ndim: int | None = -1, eps: float = TINY, grad_scale: flo
     Args:
       param_ndim: which axes form a slice (``None``: the whole leaf; ``k >= 0``: the last ``k``
         axes; ``k < 0``: the last ``ndim + k``). With the default ``-1`` a 1-D leaf is cut into
-        one-element slices, so this becomes ``sign`` there (spec §6 S1).
+        one-element slices, so this becomes ``sign`` there.
       eps: lower bound of the divisor (rai_toolbox ``div_by_zero_eps``), ``>= 0``.
       grad_scale: multiplies the normalized gradient.
       grad_bias: then added to every element.
@@ -460,10 +460,10 @@ def l1_normalize(param_ndim: int | None = -1, eps: float = TINY, grad_scale: flo
       raises ``ValueError`` at ``init``.
 
     References:
-      rai_toolbox ``L1NormedGradientOptim`` (spec/lp_space.md §2.2). The norm is accumulated in
+      rai_toolbox ``L1NormedGradientOptim``. The norm is accumulated in
       float32 (float64 for float64 leaves); where it under- or overflows the slice is rescaled by
-      its max-abs first, so the output keeps unit norm (the reference returns 0 for [3e38, 3e38]:
-      §6 D4); an all-zero slice stays zero in every dtype (§6 D5).
+      its max-abs first, so the output keeps unit norm (the reference returns 0 for [3e38, 3e38]);
+      an all-zero slice stays zero in every dtype.
 
     Example:
       >>> import jax.numpy as jnp, optax, optclip
@@ -492,10 +492,10 @@ def l2_normalize(param_ndim: int | None = -1, eps: float = TINY, grad_scale: flo
       normalizing and a ``nonfinite`` step count.
 
     References:
-      rai_toolbox ``L2NormedGradientOptim`` (spec/lp_space.md §2.2). Differences: the norm is
+      rai_toolbox ``L2NormedGradientOptim``. Differences: the norm is
       accumulated in float32 or wider with a max-abs rescaled fallback on under/overflow, so
-      [1e-30, 0] gives [1, 0] (the reference gives [85070592, 0]: §6 D4); a zero slice stays
-      zero in float16 too (§6 D5).
+      [1e-30, 0] gives [1, 0] (the reference gives [85070592, 0]); a zero slice stays
+      zero in float16 too.
 
     Example:
       >>> import jax.numpy as jnp, optax, optclip
@@ -567,10 +567,10 @@ def top_q(q: float, dq: float = 0.0, param_ndim: int | None = -1, grad_scale: fl
       the ``q`` in force and the number ``k`` of entries kept per slice.
 
     References:
-      rai_toolbox ``TopQGradientOptimizer`` (spec/lp_space.md §2.5). Differences: ``q`` has no
-      silent default of 0.001 (§6 D1); ties keep the lowest index (torch.topk: arbitrary, §6 D6);
+      rai_toolbox ``TopQGradientOptimizer``. Differences: ``q`` has no
+      silent default of 0.001; ties keep the lowest index (torch.topk: arbitrary);
       the random ``q`` comes from an explicit JAX key instead of torch's global generator, one
-      draw per leaf per step as in the reference (§6 S5).
+      draw per leaf per step as in the reference.
 
     Example:
       >>> import jax.numpy as jnp, optax, optclip
@@ -607,8 +607,8 @@ def l1q_normalize(q: float, dq: float = 0.0, param_ndim: int | None = -1, eps: f
       the ``q`` in force and the number ``k`` of entries kept per slice.
 
     References:
-      rai_toolbox ``L1qNormedGradientOptim`` (spec/lp_space.md §2.6). Differences as in
-      :func:`top_q`; NaN propagates instead of becoming 0 (``torch.sign(NaN) = 0``: §6 S8).
+      rai_toolbox ``L1qNormedGradientOptim``. Differences as in
+      :func:`top_q`; NaN propagates instead of becoming 0 (``torch.sign(NaN) = 0``).
 
     Example:
       The rai_toolbox documentation's example (keep 70 %, ``param_ndim=None``, SGD with lr 1):
@@ -648,7 +648,7 @@ def clamp(clamp_min: float | None = None, clamp_max: float | None = None,
       ``clipped``, and a ``nonfinite`` step count.
 
     References:
-      rai_toolbox ``ClampedGradientOptimizer`` (spec/lp_space.md §2.7).
+      rai_toolbox ``ClampedGradientOptimizer``.
 
     Example:
       >>> import jax.numpy as jnp, optax, optclip
@@ -733,7 +733,7 @@ def project_l2_ball(epsilon: float, param_ndim: int | None = -1, *, exact: bool 
       projection and whether it was ``projected``.
 
     References:
-      rai_toolbox ``L2ProjectedOptim``'s post-step projection (spec/lp_space.md §2.3, §6 S9).
+      rai_toolbox ``L2ProjectedOptim``'s post-step projection.
       Use ``optax.chain(optclip.l2_normalize(param_ndim), optax.sgd(lr),
       optclip.project_l2_ball(epsilon, param_ndim))`` for the whole optimizer. Unlike
       ``optax.projections.projection_l2_ball`` it acts per slice and keeps the ``1e-7``.
@@ -796,9 +796,9 @@ def project_linf_ball(epsilon: float) -> optax.GradientTransformation:
       ``projected``.
 
     References:
-      rai_toolbox ``LinfProjectedOptim``'s post-step projection (spec/lp_space.md §2.4); the
+      rai_toolbox ``LinfProjectedOptim``'s post-step projection; the
       whole optimizer is ``optax.chain(optclip.sign(), optax.sgd(lr),
-      optclip.project_linf_ball(epsilon))``. Its docstring calls ``epsilon`` an L2 radius (§6 D9).
+      optclip.project_linf_ball(epsilon))``. Its docstring calls ``epsilon`` an L2 radius.
 
     Example:
       >>> import jax.numpy as jnp, optax, optclip
@@ -830,7 +830,7 @@ def clamp_params(clamp_min: float | None = None, clamp_max: float | None = None
       ``projected``.
 
     References:
-      rai_toolbox ``ClampedParameterOptimizer`` (spec/lp_space.md §2.7).
+      rai_toolbox ``ClampedParameterOptimizer``.
 
     Example:
       >>> import jax.numpy as jnp, optax, optclip
@@ -849,7 +849,7 @@ def clamp_params(clamp_min: float | None = None, clamp_max: float | None = None
 
 def _fw_coefficients(count: jax.Array, learning_rate: Any, scaling: Any, schedule: bool,
                      eps: Any, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(alpha, a, b)`` with ``a = 1 - alpha`` and ``b = -alpha * c`` (spec §2.8).
+    """``(alpha, a, b)`` with ``a = 1 - alpha`` and ``b = -alpha * c``.
 
     The reference forms ``alpha``, ``1 - alpha`` and ``-alpha * c`` in double precision and casts
     them once. With the schedule, ``alpha = lr / d`` with ``d = max(eps, lr + t)``;
@@ -948,7 +948,7 @@ def frank_wolfe(lmo_scaling_factor: float = 1.0, learning_rate: float = 2.0,
       last step size ``alpha``.
 
     References:
-      rai_toolbox ``FrankWolfe`` (spec/lp_space.md §2.8). A non-finite step does not advance
+      rai_toolbox ``FrankWolfe``. A non-finite step does not advance
       ``count`` (optclip convention; the reference has no such notion).
 
     Example:
@@ -992,7 +992,7 @@ def l1_frank_wolfe(epsilon: float, learning_rate: float = 2.0,
       learning_rate: ``lr`` of the step size, ``>= 0`` (``<= 1`` when the schedule is off).
       use_default_lr_schedule: ``α_t = lr / (lr + t)`` (default) or a constant ``α = lr``.
       param_ndim: which axes form a slice, as in :func:`l1_normalize` (default ``-1``: on a 1-D
-        leaf every element is a slice, so the LMO is ``sign``, the L∞ one: spec §6 S1).
+        leaf every element is a slice, so the LMO is ``sign``, the L∞ one).
       eps: lower bound of the schedule's divisor, ``>= 0``.
 
     Returns:
@@ -1000,9 +1000,9 @@ def l1_frank_wolfe(epsilon: float, learning_rate: float = 2.0,
       whose state holds the step ``count`` and logs ``alpha``.
 
     References:
-      rai_toolbox ``L1FrankWolfe`` (spec/lp_space.md §2.9). The reference takes the argmax along
-      the first reduced axis only, wrong for slices of two or more axes (§6 D2); optclip
-      flattens each slice. ``epsilon`` must be ``>= 0`` (§6 D8).
+      rai_toolbox ``L1FrankWolfe``. The reference takes the argmax along
+      the first reduced axis only, wrong for slices of two or more axes; optclip
+      flattens each slice. ``epsilon`` must be ``>= 0``.
 
     Example:
       >>> import jax.numpy as jnp, optax, optclip
@@ -1036,8 +1036,8 @@ def l2_frank_wolfe(epsilon: float, learning_rate: float = 2.0,
       whose state holds the step ``count`` and logs ``alpha``.
 
     References:
-      rai_toolbox ``L2FrankWolfe`` (spec/lp_space.md §2.9); normalization as in
-      :func:`l2_normalize` (§6 D4, D5); ``epsilon`` must be ``>= 0`` (§6 D8).
+      rai_toolbox ``L2FrankWolfe``; normalization as in
+      :func:`l2_normalize`; ``epsilon`` must be ``>= 0``.
 
     Example:
       >>> import jax.numpy as jnp, optax, optclip
@@ -1066,7 +1066,7 @@ def linf_frank_wolfe(epsilon: float, learning_rate: float = 2.0,
       learning_rate: ``lr`` of the step size, ``>= 0`` (``<= 1`` when the schedule is off).
       use_default_lr_schedule: ``α_t = lr / (lr + t)`` (default) or a constant ``α = lr``.
       param_ndim: only validated (the LMO is elementwise); kept for parity with the reference,
-        which rejects 0-d leaves with the default ``-1`` (spec §6 D13).
+        which rejects 0-d leaves with the default ``-1``.
       eps: lower bound of the schedule's divisor, ``>= 0``.
 
     Returns:
@@ -1074,8 +1074,8 @@ def linf_frank_wolfe(epsilon: float, learning_rate: float = 2.0,
       whose state holds the step ``count`` and logs ``alpha``.
 
     References:
-      rai_toolbox ``LinfFrankWolfe`` (spec/lp_space.md §2.9). Its docstring example builds
-      ``L2FrankWolfe`` (§6 D9); ``epsilon`` must be ``>= 0`` (§6 D8).
+      rai_toolbox ``LinfFrankWolfe``. Its docstring example builds
+      ``L2FrankWolfe``; ``epsilon`` must be ``>= 0``.
 
     Example:
       >>> import jax.numpy as jnp, optax, optclip
@@ -1112,8 +1112,8 @@ def l1q_frank_wolfe(q: float, epsilon: float, dq: float = 0.0, learning_rate: fl
       whose state holds the step ``count`` and the PRNG key and logs ``alpha``, ``q``, ``k``.
 
     References:
-      rai_toolbox ``L1qFrankWolfe`` (spec/lp_space.md §2.9); top-q differences as in
-      :func:`top_q` (§6 D1, D6, S5); ``epsilon`` must be ``>= 0`` (§6 D8).
+      rai_toolbox ``L1qFrankWolfe``; top-q differences as in
+      :func:`top_q`; ``epsilon`` must be ``>= 0``.
 
     Example:
       >>> import jax.numpy as jnp, optax, optclip

@@ -45,7 +45,7 @@ def check_param_ndim(param_ndim: int | None) -> None:
 
 
 def param_ndim_to_axes(param_ndim: int | None, ndim: int) -> tuple[int, ...]:
-    """rai_toolbox's ``param_ndim`` for a leaf of rank ``ndim`` (spec/lp_space.md §1.2)."""
+    """rai_toolbox's ``param_ndim`` for a leaf of rank ``ndim``."""
     if param_ndim is None:
         return tuple(range(ndim))
     if abs(param_ndim) > ndim:
@@ -65,8 +65,8 @@ def reduction_axes(
     Pass either the torchzero vocabulary (``dim``, ``inverse_dims``) or ``param_ndim``.
     The returned axes are sorted, non-negative and unique. A 0-d leaf is treated as shape
     ``(1,)`` (one one-element slice): its axes are ``()`` when the resolved set is non-empty.
-    Unlike torchzero 0.4.4, ``dim=None`` is resolved per leaf (spec/torchzero.md §4 D1) and
-    negative axes are normalised before ``inverse_dims`` is applied (D3).
+    Unlike torchzero 0.4.4, ``dim=None`` is resolved per leaf and
+    negative axes are normalised before ``inverse_dims`` is applied.
     """
     if param_ndim is not _UNSET:
         return param_ndim_to_axes(param_ndim, ndim)

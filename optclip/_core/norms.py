@@ -1,10 +1,10 @@
 """Norms ("metrics") per slice, per leaf and over a whole pytree, and the scaling rules.
 
-Every ``ord`` of spec/torchzero.md §1.1 is supported: any number (``0`` counts non-zeros,
+Every ``ord`` of torchzero 0.4.4 is supported: any number (``0`` counts non-zeros,
 ``±inf`` is the max/min absolute value, negative orders allowed) and the strings ``'l0'``-``'l4'``,
 ``'linf'``, ``'mad'`` (mean absolute value), ``'std'``/``'var'`` (ddof=1) and ``'sum'``.
 ``'sum'`` is used as ``|Σx|`` wherever it serves as a norm, so a scaling transform never flips a
-sign (torchzero 0.4.4 scales by the signed sum: spec/torchzero.md §4 D7).
+sign (torchzero 0.4.4 scales by the signed sum).
 
 Accumulation happens in float32 (float64 for float64 leaves) whatever the leaf dtype, so bf16
 pytrees with many leaves and float16 gradients of magnitude ~300 give the true norm. Global norms
@@ -29,7 +29,7 @@ from optclip._core import checks
 Ord = int | float | str
 STRING_ORDS = ("l0", "l1", "l2", "l3", "l4", "linf", "mad", "std", "var", "sum")
 _NAMED_NUMBERS = {"l0": 0.0, "l1": 1.0, "l2": 2.0, "l3": 3.0, "l4": 4.0, "linf": math.inf}
-# Below this a metric counts as zero: the slice is left as it is (spec/torchzero.md §1.3, D8).
+# Below this a metric counts as zero: the slice is left as it is.
 TINY_NORM = 1e-12
 
 
@@ -106,8 +106,8 @@ def slice_norm(x: jax.Array, ord: float | str, axes: tuple[int, ...]) -> jax.Arr
 def metric_defined(ord: float | str, size: int) -> bool:
     """Whether a group of ``size`` elements has a metric worth scaling by.
 
-    ``'std'``/``'var'`` (ddof=1) need two elements (torchzero returns NaN there:
-    spec/torchzero.md §4 D9); an empty group has nothing to measure (``'mad'`` would be 0/0,
+    ``'std'``/``'var'`` (ddof=1) need two elements (torchzero returns NaN
+    there); an empty group has nothing to measure (``'mad'`` would be 0/0,
     negative orders infinite).
     """
     return size > 0 and not (ord in ("std", "var") and size < 2)
@@ -198,10 +198,10 @@ def tree_sum(partials: list[jax.Array]) -> jax.Array:
 
 
 def global_norm(tree: Any, ord: float | str = 2.0) -> jax.Array:
-    """Metric of all floating leaves of ``tree`` taken as one vector (spec/torchzero.md §1.1b).
+    """Metric of all floating leaves of ``tree`` taken as one vector.
 
     Computed from per-leaf partial reductions combined as scalars. Unlike torchzero 0.4.4,
-    ``ord=0`` counts non-zeros instead of raising (§4 D6).
+    ``ord=0`` counts non-zeros instead of raising.
     """
     leaves = _float_leaves(tree)
     count = sum(x.size for x in leaves)
@@ -246,7 +246,7 @@ def normalize_multiplier(norm: jax.Array, target: jax.Array, eps=None) -> jax.Ar
 
     Without ``eps`` a slice whose metric is ``<= 1e-12`` (or NaN) is left unchanged, in the
     per-slice and the global path alike (torchzero 0.4.4 differs between them and returns NaN
-    globally for a zero update: spec/torchzero.md §4 D5, D8, D17).
+    globally for a zero update).
     """
     if eps is not None:
         return target / (norm + eps)
@@ -264,7 +264,7 @@ def divide(x: jax.Array, divisor: jax.Array) -> jax.Array:
     """``x / divisor`` computed in the wide dtype and cast back to ``x``'s dtype.
 
     For references that divide by a precomputed divisor rather than multiply by its inverse
-    (torchzero's EMA and growth clippers, spec/torchzero.md §5): the last bit can differ.
+    (torchzero's EMA and growth clippers): the last bit can differ.
     """
     if not is_float(x):
         return x
