@@ -53,7 +53,7 @@ class SkipSpikesState(NamedTuple):
     skipped: jax.Array        # bool: the last step was skipped
     consecutive: jax.Array    # int32 skipped steps in a row, up to the last one
     total_skipped: jax.Array  # int32 skipped steps so far
-    score: jax.Array          # last step's score (the larger of the norm and loss scores)
+    score: jax.Array          # last step's norm score (the larger of the two with ``loss``)
     threshold: jax.Array      # the gradient-norm score threshold in force at the last step
     norm: jax.Array           # last step's global gradient norm
     loss_score: jax.Array     # last step's loss score (0 without ``loss``)
@@ -240,7 +240,8 @@ def skip_spikes(
             skipped=skip,
             consecutive=jnp.where(skip, state.consecutive + 1, 0),
             total_skipped=state.total_skipped + skip.astype(jnp.int32),
-            score=stats_lib.keep_finite(jnp.maximum(score, loss_score), state.score),
+            score=stats_lib.keep_finite(
+                score if loss is None else jnp.maximum(score, loss_score), state.score),
             threshold=thresh,
             norm=stats_lib.keep_finite(norm, state.norm),
             loss_score=stats_lib.keep_finite(loss_score, state.loss_score),
