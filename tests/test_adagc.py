@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 import chex
+import flax.serialization
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
@@ -161,3 +162,18 @@ def test_schedules_integer_leaves_and_float64():
         state = tx.init(tree)
         out, state = tx.update(tree, state)
         assert out["w"].dtype == jnp.float64 and state.gamma["w"].dtype == jnp.float64
+
+
+def test_inject_hyperparams_and_checkpoint_round_trip():
+    tx = optax.inject_hyperparams(optclip.adagc, static_args=("warmup_steps",))(
+        lambda_abs=1.0, lambda_rel=1.05, beta=0.98, warmup_steps=WARMUP)
+    plain = optclip.adagc(warmup_steps=WARMUP)
+    grads = [jax.tree.map(jnp.asarray, g) for g in _grads()]
+    state, plain_state = tx.init(grads[0]), plain.init(grads[0])
+    for step, g in enumerate(grads):
+        if step == 5:  # restore from bytes mid-run
+            state = flax.serialization.from_bytes(state, flax.serialization.to_bytes(state))
+        out, state = tx.update(g, state)
+        want, plain_state = plain.update(g, plain_state)
+        chex.assert_trees_all_close(out, want, rtol=1e-6)
+    assert optclip.stats(state)["adagc/count"] == len(grads)
