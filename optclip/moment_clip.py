@@ -236,9 +236,10 @@ def adamw_clip(
 
     ``g <- clip(g, -c, c)`` elementwise with ``c = max(sigmas * sqrt(nu / (1 - b2**t)),
     min_threshold)``, where ``nu`` is the wrapped adam's second moment before this step and
-    ``t`` the adam's step count including this step; the clipped gradient then updates the
-    adam. The threshold scales with the gradients (it is equivariant to rescaling them), so
-    one ``sigmas`` suits every model, and it costs no memory beyond adam's own.
+    ``t`` the number of gradients it holds (so ``nu / (1 - b2**t)`` is its bias-corrected
+    value); the clipped gradient then updates the adam. The threshold scales with the
+    gradients (it is equivariant to rescaling them), so one ``sigmas`` suits every model, and
+    it costs no memory beyond adam's own.
 
     Args:
       inner: an adam-style optimizer (see :func:`spam_clip`); extra arguments are forwarded.
@@ -253,7 +254,7 @@ def adamw_clip(
       ``adamw_clip/clipped_fraction``, ``clip_active`` and ``nonfinite``.
 
     References:
-      AdamWClip 0.1 (github.com/wandeln/AdamWClip, PyTorch), parameters ``clip_grad_adapt``
+      AdamWClip 0.1.4 (github.com/wandeln/AdamWClip, PyTorch), parameters ``clip_grad_adapt``
       (``sigmas``), ``clip_grad_min`` and ``clip_grad_warm_up``. Difference: the reference
       also clips at its first step, where ``nu`` is 0, and so cuts every first gradient to
       ``min_threshold`` (1e-10), after which ``nu`` grows back only slowly; here a step whose
@@ -286,7 +287,7 @@ def adamw_clip(
         seen = moments.count  # gradients the adam has seen before this step
         step = seen + 1
         active = (seen > 0) & (step > warmup_steps)
-        correction = _bias_correction(b2, step)
+        correction = _bias_correction(b2, seen)
         width = checks.resolve(sigmas, seen)
         limits = [jnp.where(active, jnp.maximum(
             width * jnp.sqrt(v.astype(jnp.float32) / correction), min_threshold), jnp.inf)

@@ -81,7 +81,8 @@ def adamw_clip_oracle(grads, sigmas=3.0, min_threshold=1e-10, warmup=0):
         t = adam.t + 1
         if adam.t > 0 and t > warmup:
             for k in g:
-                c = np.maximum(sigmas * np.sqrt(adam.v[k] / (1 - B2 ** t)), min_threshold)
+                c = np.maximum(sigmas * np.sqrt(adam.v[k] / (1 - B2 ** adam.t)),
+                               min_threshold)
                 g[k] = np.clip(g[k], -c, c)
         outs.append(adam.step(g))
     return outs
