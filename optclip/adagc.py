@@ -78,9 +78,10 @@ def adagc(
       Wang et al., "AdaGC: Enhancing LLM Pretraining Stability via Adaptive Gradient
       Clipping", arXiv 2502.11034; the defaults (``lambda_abs=1.0``, ``lambda_rel=1.05``,
       ``beta=0.98``, ``warmup_steps=100``, ``eps=1e-8``) are the paper's and pytorch-optimizer
-      3.x's ``AdaGC``. Differences from pytorch-optimizer's ``AdaGC``: its warm-up covers steps
-      ``1 .. warmup_steps - 1`` (here the first ``warmup_steps`` steps) and its per-tensor rule
-      divides by ``||g_i||`` without ``eps`` (a zero gradient gives ``0/0`` there).
+      4.1's ``AdaGC``. Differences from pytorch-optimizer's ``AdaGC``: its warm-up covers
+      steps ``1 .. warmup_steps - 1`` (here the first ``warmup_steps`` steps) and its
+      per-tensor rule clamps ``gamma_i`` and ``||g_i||`` at ``eps`` instead of adding ``eps``
+      (the same numbers unless a norm is near ``eps``).
 
     Example:
       >>> import jax.numpy as jnp, optax, optclip

@@ -163,7 +163,7 @@ def spam_clip(
     References:
       Huang et al., "SPAM: Spike-Aware Adam with Momentum Reset for Stable LLM Training",
       ICLR 2025 (arXiv 2501.06842); defaults as its reference code and pytorch-optimizer
-      3.x's ``SPAM`` (``threshold=5000``, ``grad_accu_steps=20``, reset every 500 steps
+      4.1's ``SPAM`` (``threshold=5000``, ``grad_accu_steps=20``, reset every 500 steps
       there). Differences: the reset also zeroes adam's ``count``, so bias correction restarts
       with the moments (SPAM keeps its step count, which makes the first updates after a reset
       too large, and damps them with a cosine warm-up of the learning rate instead); SPAM's
