@@ -7,11 +7,13 @@ from __future__ import annotations
 import functools
 
 import chex
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given
 
 import optclip
 
@@ -241,3 +243,27 @@ def test_an_inner_without_adam_moments_is_a_clear_error(factory):
         factory(optax.sgd(0.1)).init(PARAMS)
     with pytest.raises(ValueError, match="found 2"):
         factory(optax.chain(optax.adam(0.1), optax.adam(0.1))).init(PARAMS)
+
+
+@functools.cache
+def _stable_updates():
+    return (jax.jit(optclip.stable_adamw_clip(optax.adam(LR)).update),
+            jax.jit(optax.adam(LR).update))
+
+
+@given(st.lists(st.floats(1e-3, 1e3), min_size=2, max_size=8))
+def test_stable_adamw_scales_adam_by_a_factor_bounded_by_the_rms_limit(scales):
+    update, adam_update = _stable_updates()
+    tx, adam = optclip.stable_adamw_clip(optax.adam(LR)), optax.adam(LR)
+    state, adam_state = tx.init(PARAMS), adam.init(PARAMS)
+    base = jax.tree.map(jnp.asarray, _grads()[0])
+    for t, s in enumerate(scales, start=1):
+        g = jax.tree.map(lambda x: x * s, base)
+        out, state = update(g, state, PARAMS)
+        plain, adam_state = adam_update(g, adam_state, PARAMS)
+        for key in g:
+            scale = float(state.scale[key])
+            assert 0 < scale <= 1
+            assert float(state.rms[key]) <= np.sqrt((1 - B2 ** t) / (1 - B2)) * (1 + 1e-5)
+            np.testing.assert_allclose(np.asarray(out[key]), np.asarray(plain[key]) * scale,
+                                       rtol=1e-5, atol=1e-9)
