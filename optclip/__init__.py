@@ -8,6 +8,9 @@ and ``optclip.stats(opt_state)`` returns what a training loop wants to log.
 """
 
 from optclip._core.stats import stats
+
+# spike protection (issue 11)
+from optclip.adagc import adagc
 from optclip.clipping import (
     centralize,
     clip_by_global_norm,
@@ -58,6 +61,10 @@ from optclip.lp_space import (
     top_q,
 )
 
+# spike protection (issue 11)
+from optclip.moment_clip import adamw_clip, spam_clip, stable_adamw_clip
+from optclip.skip_spikes import skip_spikes
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -105,4 +112,10 @@ __all__ = [
     "project_linf_ball",
     "sign",
     "top_q",
+    # spike protection: skip_spikes.py, adagc.py, moment_clip.py
+    "adagc",
+    "adamw_clip",
+    "skip_spikes",
+    "spam_clip",
+    "stable_adamw_clip",
 ]

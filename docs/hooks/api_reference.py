@@ -23,6 +23,9 @@ SECTIONS = {  # module -> heading, in page order
     "optclip.growth": "Growth limiters (`growth.py`)",
     "optclip.history": "History-based adaptive clipping (`history.py`)",
     "optclip.lp_space": "Lp-space gradient transforms (`lp_space.py`)",
+    "optclip.skip_spikes": "Spike protection: skipping steps (`skip_spikes.py`)",
+    "optclip.adagc": "Spike protection: AdaGC (`adagc.py`)",
+    "optclip.moment_clip": "Spike protection: moment-aware clipping (`moment_clip.py`)",
 }
 
 

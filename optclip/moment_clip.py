@@ -1,0 +1,389 @@
+"""Moment-aware clipping: clip against the second moment adam already keeps.
+
+Adam's ``nu`` holds a running estimate of every element's squared gradient, so a threshold
+built from it needs no memory of its own and follows each element's scale. Each transform here
+wraps an adam-style optimizer (``optax.adam``, ``optax.adamw``, a chain that contains one,
+``optax.inject_hyperparams(optax.adamw)(...)``) and finds its moments in the wrapped state: the
+one state ``NamedTuple`` with fields ``mu`` and ``nu`` (``optax.ScaleByAdamState``, and any
+state built the same way). The wrapped state must hold exactly one such state.
+
+* :func:`spam_clip`: SPAM's spike-aware clipping of the gradient against ``theta * nu``, with
+  its periodic momentum reset as an option (Huang et al., ICLR 2025).
+* :func:`stable_adamw_clip`: StableAdamW's update clipping, each tensor's update divided by
+  ``max(1, RMS(g^2 / nu_hat))`` (Wortsman et al., NeurIPS 2023).
+* :func:`adamw_clip`: AdamWClip's elementwise clipping at ``sigmas`` standard deviations,
+  ``sigmas * sqrt(nu_hat)``.
+
+A step with a NaN/Inf gradient leaves the wrapped state as it was (its moments never take a
+non-finite value); its output follows the formula so that ``optax.apply_if_finite`` can drop
+it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optclip._core import checks, norms
+from optclip._core import stats as stats_lib
+
+__all__ = ["AdamWClipState", "SpamClipState", "StableAdamWClipState", "adamw_clip",
+           "spam_clip", "stable_adamw_clip"]
+
+
+@stats_lib.diagnostic("spam_clip", ("clipped_fraction", "clip_active", "reset", "resets",
+                                    "nonfinite"))
+class SpamClipState(NamedTuple):
+    inner: Any                  # the wrapped optimizer's state
+    count: jax.Array            # int32 steps so far (the clock of the resets)
+    clipped_fraction: jax.Array  # fraction of elements clipped at the last step
+    clip_active: jax.Array      # bool: clipping was active at the last step
+    reset: jax.Array            # bool: the moments were reset at the last step
+    resets: jax.Array           # int32 resets so far
+    nonfinite: jax.Array        # int32 steps with a NaN/Inf gradient (inner state kept)
+
+
+@stats_lib.diagnostic("adamw_clip", ("clipped_fraction", "clip_active", "nonfinite"))
+class AdamWClipState(NamedTuple):
+    inner: Any
+    clipped_fraction: jax.Array  # fraction of elements clipped at the last step
+    clip_active: jax.Array       # bool: clipping was active at the last step
+    nonfinite: jax.Array
+
+
+@stats_lib.diagnostic("stable_adamw_clip", ("rms", "scale", "clipped", "nonfinite"),
+                      per_leaf=("rms", "scale", "clipped"))
+class StableAdamWClipState(NamedTuple):
+    inner: Any
+    rms: Any            # per leaf: RMS(g^2 / nu_hat) at the last step
+    scale: Any          # per leaf: 1 / max(1, rms), the factor the update was multiplied by
+    clipped: Any        # per leaf: bool, scale < 1
+    nonfinite: jax.Array
+
+
+def _is_moment_state(x: Any) -> bool:
+    fields = getattr(x, "_fields", None)
+    return isinstance(x, tuple) and fields is not None and "mu" in fields and "nu" in fields
+
+
+def _moment_state(state: Any) -> Any:
+    """The one state ``NamedTuple`` with ``mu`` and ``nu`` fields inside ``state``."""
+    found = [x for x in jax.tree.leaves(state, is_leaf=_is_moment_state) if _is_moment_state(x)]
+    if len(found) != 1:
+        raise ValueError(
+            "the wrapped optimizer's state must hold exactly one adam-style state (a NamedTuple "
+            f"with fields 'mu' and 'nu', e.g. optax.ScaleByAdamState); found {len(found)}. "
+            "Wrap an optimizer such as optax.adam(...) or optax.adamw(...).")
+    if "count" not in found[0]._fields:
+        raise ValueError(f"{type(found[0]).__name__} has no 'count' field for bias correction")
+    return found[0]
+
+
+def _map_moment_state(fn: Callable[[Any], Any], state: Any) -> Any:
+    return jax.tree.map(lambda x: fn(x) if _is_moment_state(x) else x, state,
+                        is_leaf=_is_moment_state)
+
+
+def _check_inner(inner: Any) -> optax.GradientTransformationExtraArgs:
+    if not isinstance(inner, optax.GradientTransformation):
+        raise TypeError(f"inner must be an optax.GradientTransformation (e.g. optax.adam(...)), "
+                        f"got {inner!r}")
+    return optax.with_extra_args_support(inner)
+
+
+def _matching_nu(updates: Any, nu: Any) -> list:
+    """The entries of ``nu`` at the floating leaves of ``updates`` (same tree structure)."""
+    try:
+        nu_leaves = jax.tree.structure(updates).flatten_up_to(nu)
+    except (ValueError, TypeError) as err:
+        raise ValueError("the adam state's 'nu' does not have the structure of the updates; "
+                         "wrap the optimizer that sees these updates") from err
+    return [v for x, v in zip(jax.tree.leaves(updates), nu_leaves) if norms.is_float(x)]
+
+
+def _clip_elementwise(updates: Any, thresholds: list) -> tuple[Any, jax.Array]:
+    """Clip each float leaf to ``[-thr, thr]`` (``thr`` of its shape); fraction clipped."""
+    leaves, treedef = jax.tree.flatten(updates)
+    out, hits, it = [], [], iter(thresholds)
+    for x in leaves:
+        if not norms.is_float(x):
+            out.append(x)
+            continue
+        thr = next(it)
+        wide = x.astype(norms.acc_dtype(x.dtype))
+        over = jnp.abs(wide) > thr
+        out.append(jnp.where(over, jnp.sign(wide) * thr, wide).astype(x.dtype))
+        hits.append(jnp.sum(over, dtype=jnp.float32))
+    size = sum(x.size for x in leaves if norms.is_float(x))
+    fraction = norms.tree_sum(hits) / max(size, 1)
+    return treedef.unflatten(out), fraction.astype(jnp.float32)
+
+
+def _bias_correction(b2: Any, count: jax.Array) -> jax.Array:
+    """``1 - b2**count`` in float32 (1 where ``count`` is 0, so nothing divides by 0)."""
+    count = count.astype(jnp.float32)
+    return jnp.where(count > 0, 1 - jnp.asarray(b2, jnp.float32) ** count, 1.0)
+
+
+def spam_clip(
+    inner: optax.GradientTransformation,
+    threshold: checks.ScalarOrSchedule = 5000.0,
+    clip_after: int = 20,
+    reset_interval: int | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """SPAM's spike-aware clipping (and optional momentum reset) in front of an adam.
+
+    With ``nu`` the wrapped adam's second moment before this step (the raw EMA of ``g**2``,
+    as SPAM), every element with ``g**2 > threshold * nu`` is a spike and is replaced by
+    ``sign(g) * sqrt(threshold * nu)``; the clipped gradient then updates the adam. The
+    threshold is relative to each element's own history: ``threshold=5000`` lets an element
+    reach ``sqrt(5000) ~ 71`` times its RMS. Clipping is active from step ``clip_after`` on
+    (1-based; ``nu`` needs some steps to mean anything).
+
+    With ``reset_interval=K``, every ``K``-th step (1-based) first zeroes the adam's ``mu``,
+    ``nu`` and ``count`` (SPAM's momentum reset, which flushes whatever a spike left in the
+    moments), and clipping pauses for the first ``clip_after`` steps of each period, as SPAM.
+
+    Args:
+      inner: an adam-style optimizer (``optax.adam``, ``optax.adamw``, a chain containing one,
+        ``inject_hyperparams`` of one); extra arguments are forwarded to it.
+      threshold: ``theta``, ``> 0``; a float or a schedule of the step count.
+      clip_after: the first (1-based) step of each period with clipping, ``>= 0``.
+      reset_interval: the period of the momentum reset, ``>= 1``, or ``None`` (no reset).
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``; ``optclip.stats`` reports
+      ``spam_clip/clipped_fraction`` (of all elements, last step), ``clip_active``, ``reset``,
+      ``resets`` and ``nonfinite``.
+
+    References:
+      Huang et al., "SPAM: Spike-Aware Adam with Momentum Reset for Stable LLM Training",
+      ICLR 2025 (arXiv 2501.06842); defaults as its reference code and pytorch-optimizer
+      4.1's ``SPAM`` (``threshold=5000``, ``grad_accu_steps=20``, reset every 500 steps
+      there). Differences: the reset also zeroes adam's ``count``, so bias correction restarts
+      with the moments (SPAM keeps its step count, which makes the first updates after a reset
+      too large, and damps them with a cosine warm-up of the learning rate instead); SPAM's
+      sparse-momentum masks are not part of this transform.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, optclip
+      >>> tx = optclip.spam_clip(optax.adam(1e-3), clip_after=2)
+      >>> params = {"w": jnp.zeros(2)}
+      >>> state = tx.init(params)
+      >>> for g in [[1.0, 1.0], [1.0, 1.0], [1.0, 1e4]]:
+      ...     _, state = tx.update({"w": jnp.array(g)}, state, params)
+      >>> round(float(optclip.stats(state)["spam_clip/clipped_fraction"]), 2)
+      0.5
+    """
+    inner = _check_inner(inner)
+    checks.positive("threshold", threshold, allow_schedule=True)
+    checks.integer("clip_after", clip_after, low=0)
+    checks.integer("reset_interval", reset_interval, low=1, allow_none=True)
+
+    def init_fn(params):
+        inner_state = inner.init(params)
+        _moment_state(inner_state)
+        zero = jnp.zeros((), jnp.int32)
+        return SpamClipState(inner_state, zero, jnp.zeros((), jnp.float32),
+                             jnp.zeros((), bool), jnp.zeros((), bool), zero, zero)
+
+    def reset_moments(moments):
+        return moments._replace(mu=optax.tree.zeros_like(moments.mu),
+                                nu=optax.tree.zeros_like(moments.nu),
+                                count=jnp.zeros_like(moments.count))
+
+    def update_fn(updates, state, params=None, **extra_args):
+        step = state.count + 1
+        inner_state = state.inner
+        if reset_interval is None:
+            reset = jnp.zeros((), bool)
+            in_period = step
+        else:
+            reset = step % reset_interval == 0
+            reset_state = _map_moment_state(reset_moments, inner_state)
+            inner_state = jax.tree.map(lambda new, old: jnp.where(reset, new, old),
+                                       reset_state, inner_state)
+            in_period = step % reset_interval
+        active = (step >= clip_after) & (in_period >= clip_after)
+        nu = _matching_nu(updates, _moment_state(inner_state).nu)
+        theta = checks.resolve(threshold, state.count)
+        limits = [jnp.where(active, jnp.sqrt(theta * v.astype(jnp.float32)), jnp.inf)
+                  for v in nu]
+        clipped, fraction = _clip_elementwise(updates, limits)
+        out, new_inner = inner.update(clipped, inner_state, params, **extra_args)
+        finite = stats_lib.all_finite(updates)
+        return out, SpamClipState(
+            inner=stats_lib.keep_if(finite, new_inner, state.inner),
+            count=step, clipped_fraction=fraction, clip_active=active, reset=reset & finite,
+            resets=state.resets + (reset & finite).astype(jnp.int32),
+            nonfinite=stats_lib.count_nonfinite(state.nonfinite, finite))
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def adamw_clip(
+    inner: optax.GradientTransformation,
+    sigmas: checks.ScalarOrSchedule = 3.0,
+    min_threshold: float = 1e-10,
+    warmup_steps: int = 0,
+    b2: float = 0.999,
+) -> optax.GradientTransformationExtraArgs:
+    """AdamWClip: clip each element at ``sigmas`` times its RMS from adam's second moment.
+
+    ``g <- clip(g, -c, c)`` elementwise with ``c = max(sigmas * sqrt(nu / (1 - b2**t)),
+    min_threshold)``, where ``nu`` is the wrapped adam's second moment before this step and
+    ``t`` the number of gradients it holds (so ``nu / (1 - b2**t)`` is its bias-corrected
+    value); the clipped gradient then updates the adam. The threshold scales with the
+    gradients (it is equivariant to rescaling them), so one ``sigmas`` suits every model, and
+    it costs no memory beyond adam's own.
+
+    Args:
+      inner: an adam-style optimizer (see :func:`spam_clip`); extra arguments are forwarded.
+      sigmas: the threshold in standard deviations, ``> 0``; a float or a schedule of the
+        adam's step count.
+      min_threshold: the smallest threshold, ``>= 0``.
+      warmup_steps: the first steps without clipping, ``>= 0``.
+      b2: the wrapped adam's ``b2`` (for the bias correction of ``nu``), in ``[0, 1)``.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``; ``optclip.stats`` reports
+      ``adamw_clip/clipped_fraction``, ``clip_active`` and ``nonfinite``.
+
+    References:
+      AdamWClip 0.1.4 (github.com/wandeln/AdamWClip, PyTorch), parameters ``clip_grad_adapt``
+      (``sigmas``), ``clip_grad_min`` and ``clip_grad_warm_up``. Difference: the reference
+      also clips at its first step, where ``nu`` is 0, and so cuts every first gradient to
+      ``min_threshold`` (1e-10), after which ``nu`` grows back only slowly; here a step whose
+      adam has not seen a gradient yet (count 0) is never clipped.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, optclip
+      >>> tx = optclip.adamw_clip(optax.adam(1e-3), sigmas=3.0)
+      >>> params = {"w": jnp.zeros(2)}
+      >>> state = tx.init(params)
+      >>> for g in [[1.0, 1.0], [1.0, 50.0]]:
+      ...     _, state = tx.update({"w": jnp.array(g)}, state, params)
+      >>> float(optclip.stats(state)["adamw_clip/clipped_fraction"])
+      0.5
+    """
+    inner = _check_inner(inner)
+    checks.positive("sigmas", sigmas, allow_schedule=True)
+    checks.non_negative("min_threshold", min_threshold)
+    checks.integer("warmup_steps", warmup_steps, low=0)
+    checks.in_range("b2", b2, 0.0, 1.0, high_inclusive=False)
+
+    def init_fn(params):
+        inner_state = inner.init(params)
+        _moment_state(inner_state)
+        return AdamWClipState(inner_state, jnp.zeros((), jnp.float32), jnp.zeros((), bool),
+                              jnp.zeros((), jnp.int32))
+
+    def update_fn(updates, state, params=None, **extra_args):
+        moments = _moment_state(state.inner)
+        seen = moments.count  # gradients the adam has seen before this step
+        step = seen + 1
+        active = (seen > 0) & (step > warmup_steps)
+        correction = _bias_correction(b2, seen)
+        width = checks.resolve(sigmas, seen)
+        limits = [jnp.where(active, jnp.maximum(
+            width * jnp.sqrt(v.astype(jnp.float32) / correction), min_threshold), jnp.inf)
+            for v in _matching_nu(updates, moments.nu)]
+        clipped, fraction = _clip_elementwise(updates, limits)
+        out, new_inner = inner.update(clipped, state.inner, params, **extra_args)
+        finite = stats_lib.all_finite(updates)
+        return out, AdamWClipState(
+            inner=stats_lib.keep_if(finite, new_inner, state.inner),
+            clipped_fraction=fraction, clip_active=active,
+            nonfinite=stats_lib.count_nonfinite(state.nonfinite, finite))
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def stable_adamw_clip(
+    inner: optax.GradientTransformation,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+) -> optax.GradientTransformationExtraArgs:
+    """StableAdamW's update clipping: divide each tensor's update by ``max(1, RMS)``.
+
+    After the wrapped adam has taken the gradient ``g`` into its second moment ``nu`` (count
+    ``t``), each tensor (leaf) ``i`` gets ``RMS_i = sqrt(mean(g_i**2 / max(nu_hat_i, eps**2)))``
+    with ``nu_hat = nu / (1 - b2**t)``, and its update is multiplied by ``1 / max(1, RMS_i)``.
+    ``RMS_i`` is about 1 when the gradient matches its history and grows when a tensor's
+    gradient suddenly exceeds what ``nu`` has seen, which is when adam's update would be too
+    large (Adafactor's update clipping, moved into AdamW as a per-tensor learning-rate factor).
+    The gradient itself, and so adam's state, is not changed.
+
+    Args:
+      inner: an adam-style optimizer (see :func:`spam_clip`); extra arguments are forwarded.
+      b2: the wrapped adam's ``b2`` (for the bias correction of ``nu``), in ``[0, 1)``.
+      eps: floor of ``sqrt(nu_hat)`` in the ratio, ``>= 0``.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``; ``optclip.stats`` reports
+      ``stable_adamw_clip/rms_max``, ``rms_mean``, ``scale_max``, ``scale_mean``,
+      ``clipped_frac`` (of the leaves) and ``nonfinite``.
+
+    References:
+      Wortsman et al., "Stable and low-precision training for large-scale vision-language
+      models", NeurIPS 2023 (arXiv 2304.13013), StableAdamW; optimi 0.2 ``StableAdamW``.
+      With ``optax.adamw`` the factor also scales the weight decay of that tensor, as a
+      per-tensor learning rate does in optimi.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, optclip
+      >>> tx = optclip.stable_adamw_clip(optax.adam(1e-3))
+      >>> params = {"w": jnp.zeros(2)}
+      >>> state = tx.init(params)
+      >>> for g in [[1.0, 1.0], [1.0, 1.0], [30.0, 30.0]]:
+      ...     _, state = tx.update({"w": jnp.array(g)}, state, params)
+      >>> bool(state.clipped["w"]), round(float(state.scale["w"]), 3)
+      (True, 0.578)
+    """
+    inner = _check_inner(inner)
+    checks.in_range("b2", b2, 0.0, 1.0, high_inclusive=False)
+    checks.non_negative("eps", eps)
+
+    def per_leaf(tree, value, dtype):
+        return jax.tree.map(lambda x: jnp.full((), value, dtype) if norms.is_float(x) else None,
+                            tree)
+
+    def init_fn(params):
+        inner_state = inner.init(params)
+        _moment_state(inner_state)
+        return StableAdamWClipState(inner_state, per_leaf(params, 0.0, jnp.float32),
+                                    per_leaf(params, 1.0, jnp.float32),
+                                    per_leaf(params, False, jnp.bool_),
+                                    jnp.zeros((), jnp.int32))
+
+    def update_fn(updates, state, params=None, **extra_args):
+        out, new_inner = inner.update(updates, state.inner, params, **extra_args)
+        moments = _moment_state(new_inner)
+        correction = _bias_correction(b2, moments.count)
+        nu = iter(_matching_nu(updates, moments.nu))
+
+        def leaf_rms(g):
+            if not norms.is_float(g):
+                return None
+            v_hat = next(nu).astype(jnp.float32) / correction
+            ratio = jnp.square(g.astype(jnp.float32)) / jnp.maximum(v_hat, eps ** 2)
+            return jnp.sqrt(jnp.mean(ratio)) if g.size else jnp.zeros((), jnp.float32)
+
+        rms = jax.tree.map(leaf_rms, updates)
+        scale = jax.tree.map(lambda r: 1 / jnp.maximum(1.0, r), rms)
+        out_leaves, (scale_leaves,), treedef = norms.flatten_with(out, scale)
+        out = treedef.unflatten([u if s is None else norms.scale(u, s)
+                                 for u, s in zip(out_leaves, scale_leaves)])
+        finite = stats_lib.all_finite(updates)
+        keep = stats_lib.keep_finite
+        return out, StableAdamWClipState(
+            inner=stats_lib.keep_if(finite, new_inner, state.inner),
+            rms=jax.tree.map(keep, rms, state.rms), scale=jax.tree.map(keep, scale, state.scale),
+            clipped=jax.tree.map(lambda s: s < 1, scale),
+            nonfinite=stats_lib.count_nonfinite(state.nonfinite, finite))
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,37 @@
+"""Spike protection: skip_spikes, adagc and the moment-aware clippers (wrappers of an adam)."""
+
+import optax
+
+import optclip
+from tests.registry.base import Entry
+
+_ADAM = optax.adam(1e-2)
+
+ENTRIES = [
+    Entry("skip_spikes",
+          # A warm-up short enough that the 3 conformance steps reach the detector.
+          lambda: optclip.skip_spikes(optax.adam(1e-2), warmup_steps=2),
+          bad_args=(({"inner": abs}, "inner"),
+                    ({"inner": _ADAM, "detector": "median"}, "detector"),
+                    ({"inner": _ADAM, "threshold": -1.0}, "threshold"),
+                    ({"inner": _ADAM, "warmup_steps": 1}, "warmup_steps"),
+                    ({"inner": _ADAM, "window": 1}, "window"),
+                    ({"inner": _ADAM, "max_consecutive": 0}, "max_consecutive"),
+                    ({"inner": _ADAM, "alpha": 1.0}, "alpha"))),
+    Entry("adagc", lambda: optclip.adagc(warmup_steps=1),
+          bad_args=(({"lambda_abs": 0.0}, "lambda_abs"), ({"lambda_rel": -1.0}, "lambda_rel"),
+                    ({"beta": 1.0}, "beta"), ({"warmup_steps": 0}, "warmup_steps"),
+                    ({"eps": -1.0}, "eps"))),
+    Entry("spam_clip", lambda: optclip.spam_clip(optax.adam(1e-2), clip_after=2,
+                                                 reset_interval=3),
+          bad_args=(({"inner": None}, "inner"), ({"inner": _ADAM, "threshold": 0.0}, "threshold"),
+                    ({"inner": _ADAM, "clip_after": -1}, "clip_after"),
+                    ({"inner": _ADAM, "reset_interval": 0}, "reset_interval"))),
+    Entry("adamw_clip", lambda: optclip.adamw_clip(optax.adamw(1e-2), sigmas=1.0),
+          bad_args=(({"inner": None}, "inner"), ({"inner": _ADAM, "sigmas": 0.0}, "sigmas"),
+                    ({"inner": _ADAM, "b2": 1.0}, "b2"),
+                    ({"inner": _ADAM, "warmup_steps": -1}, "warmup_steps"))),
+    Entry("stable_adamw_clip", lambda: optclip.stable_adamw_clip(optax.adam(1e-2)),
+          bad_args=(({"inner": None}, "inner"), ({"inner": _ADAM, "b2": -0.1}, "b2"),
+                    ({"inner": _ADAM, "eps": -1.0}, "eps"))),
+]

@@ -1,0 +1,269 @@
+"""Tests for optclip/moment_clip.py: SPAM, AdamWClip and StableAdamW clipping against NumPy
+oracles of adam + the paper's rule, step by step; wrappers (chain, inject_hyperparams, adamw,
+nnx.Optimizer); errors."""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given
+
+import optclip
+
+LR, B1, B2, EPS = 1e-2, 0.9, 0.999, 1e-8
+N_STEPS = 12
+SPIKE_STEP = 8
+
+
+def _grads(seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for step in range(N_STEPS):
+        g = {"w": rng.normal(size=(4, 3)), "b": rng.normal(size=(3,)) * 0.1}
+        if step == SPIKE_STEP:
+            g["w"][1, 2] *= 1e4         # one element spikes
+            g["b"] = g["b"] * 100       # one tensor spikes
+        out.append({k: np.asarray(v, np.float32) for k, v in g.items()})
+    return out
+
+
+PARAMS = {"w": jnp.zeros((4, 3)), "b": jnp.zeros((3,))}
+
+
+class _Adam:
+    """optax.adam in float64 (m, v, t), one step per call; ``clip(g, m, v, t)`` runs first."""
+
+    def __init__(self):
+        self.m = {k: np.zeros(np.shape(v)) for k, v in PARAMS.items()}
+        self.v = {k: np.zeros(np.shape(v)) for k, v in PARAMS.items()}
+        self.t = 0
+
+    def step(self, g):
+        self.t += 1
+        out = {}
+        for k in g:
+            self.m[k] = B1 * self.m[k] + (1 - B1) * g[k]
+            self.v[k] = B2 * self.v[k] + (1 - B2) * g[k] ** 2
+            m_hat = self.m[k] / (1 - B1 ** self.t)
+            v_hat = self.v[k] / (1 - B2 ** self.t)
+            out[k] = -LR * m_hat / (np.sqrt(v_hat) + EPS)
+        return out
+
+
+def spam_oracle(grads, theta=5000.0, clip_after=3, reset_interval=None):
+    adam, outs, fractions = _Adam(), [], []
+    for index, g in enumerate(grads):
+        s = index + 1
+        g = {k: np.asarray(v, np.float64) for k, v in g.items()}
+        if reset_interval and s % reset_interval == 0:
+            adam = _Adam()
+        in_period = s % reset_interval if reset_interval else s
+        hits = 0
+        if s >= clip_after and in_period >= clip_after:
+            for k in g:
+                mask = g[k] ** 2 > theta * adam.v[k]
+                g[k] = np.where(mask, np.sign(g[k]) * np.sqrt(theta * adam.v[k]), g[k])
+                hits += mask.sum()
+        fractions.append(hits / 15)
+        outs.append(adam.step(g))
+    return outs, fractions
+
+
+def adamw_clip_oracle(grads, sigmas=3.0, min_threshold=1e-10, warmup=0):
+    adam, outs = _Adam(), []
+    for g in grads:
+        g = {k: np.asarray(v, np.float64) for k, v in g.items()}
+        t = adam.t + 1
+        if adam.t > 0 and t > warmup:
+            for k in g:
+                c = np.maximum(sigmas * np.sqrt(adam.v[k] / (1 - B2 ** adam.t)),
+                               min_threshold)
+                g[k] = np.clip(g[k], -c, c)
+        outs.append(adam.step(g))
+    return outs
+
+
+def stable_oracle(grads, eps=1e-6):
+    adam, outs, scales = _Adam(), [], []
+    for g in grads:
+        g = {k: np.asarray(v, np.float64) for k, v in g.items()}
+        out = adam.step(g)
+        scale = {}
+        for k in g:
+            v_hat = adam.v[k] / (1 - B2 ** adam.t)
+            rms = np.sqrt(np.mean(g[k] ** 2 / np.maximum(v_hat, eps ** 2)))
+            scale[k] = 1 / max(1.0, rms)
+            out[k] = out[k] * scale[k]
+        outs.append(out)
+        scales.append(scale)
+    return outs, scales
+
+
+CASES = {
+    "spam": (lambda inner: optclip.spam_clip(inner, clip_after=3),
+             lambda grads: spam_oracle(grads)[0]),
+    "spam_reset": (lambda inner: optclip.spam_clip(inner, clip_after=3, reset_interval=5),
+                   lambda grads: spam_oracle(grads, reset_interval=5)[0]),
+    "adamw_clip": (lambda inner: optclip.adamw_clip(inner),
+                   adamw_clip_oracle),
+    "adamw_clip_warmup": (lambda inner: optclip.adamw_clip(inner, sigmas=1.5, warmup_steps=4),
+                          lambda grads: adamw_clip_oracle(grads, 1.5, warmup=4)),
+    "stable_adamw": (lambda inner: optclip.stable_adamw_clip(inner),
+                     lambda grads: stable_oracle(grads)[0]),
+}
+
+
+@functools.cache
+def _jitted(case):
+    tx = CASES[case][0](optax.adam(LR))
+    return tx, jax.jit(tx.update)
+
+
+def _run(update, state, grads):
+    outs = []
+    for g in grads:
+        out, state = update(jax.tree.map(jnp.asarray, g), state, PARAMS)
+        outs.append(out)
+    return outs, state
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_matches_the_numpy_oracle_step_by_step(case, jit):
+    tx, jitted = _jitted(case)
+    outs, _ = _run(jitted if jit else tx.update, tx.init(PARAMS), _grads())
+    for step, (out, want) in enumerate(zip(outs, CASES[case][1](_grads()))):
+        chex.assert_trees_all_close(out, jax.tree.map(np.float32, want), rtol=3e-5, atol=1e-7,
+                                    custom_message=f"step {step}")
+
+
+def test_the_spike_step_is_actually_clipped():
+    _, fractions = spam_oracle(_grads())
+    # The spiked element of "w" and the two of "b" that grew beyond sqrt(5000) RMS.
+    assert fractions[SPIKE_STEP] == 3 / 15 and fractions[SPIKE_STEP - 1] == 0
+    tx, update = _jitted("spam")
+    state = tx.init(PARAMS)
+    for g in _grads()[:SPIKE_STEP + 1]:
+        _, state = update(jax.tree.map(jnp.asarray, g), state, PARAMS)
+    np.testing.assert_allclose(float(state.clipped_fraction), fractions[SPIKE_STEP], rtol=1e-6)
+    _, scales = stable_oracle(_grads())
+    assert scales[SPIKE_STEP]["b"] < 0.5 and scales[SPIKE_STEP - 1]["b"] == 1.0
+
+
+def test_spam_reset_zeroes_moments_and_count():
+    tx = optclip.spam_clip(optax.adam(LR), reset_interval=4)
+    state = tx.init(PARAMS)
+    for g in _grads()[:4]:
+        _, state = tx.update(jax.tree.map(jnp.asarray, g), state, PARAMS)
+    adam_state = state.inner[0]
+    assert int(adam_state.count) == 1 and bool(state.reset) and int(state.resets) == 1
+    # After the reset the adam holds exactly one step of the 4th gradient.
+    np.testing.assert_allclose(np.asarray(adam_state.nu["w"]),
+                               (1 - B2) * _grads()[3]["w"] ** 2, rtol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["spam", "adamw_clip", "stable_adamw"])
+def test_wrapping_adamw_chain_and_inject_hyperparams_gives_the_same_updates(case):
+    make = CASES[case][0]
+    plain = make(optax.adamw(LR, weight_decay=1e-2))
+    wrapped = [
+        make(optax.inject_hyperparams(optax.adamw)(learning_rate=LR, weight_decay=1e-2)),
+        make(optax.chain(optax.scale_by_adam(), optax.add_decayed_weights(1e-2),
+                         optax.scale(-LR))),
+    ]
+    params = jax.tree.map(lambda x: x + 1.0, PARAMS)
+    expected, _ = _run_with(plain, params)
+    for tx in wrapped:
+        got, state = _run_with(tx, params)
+        chex.assert_trees_all_close(got, expected, rtol=2e-5, atol=1e-7)
+        assert optclip.stats(state)
+
+
+def _run_with(tx, params):
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    outs = []
+    for g in _grads():
+        out, state = update(jax.tree.map(jnp.asarray, g), state, params)
+        outs.append(out)
+    return outs, state
+
+
+def test_inside_a_chain_after_a_global_clip():
+    tx = optax.chain(optclip.clip_by_global_norm(1e3), optclip.stable_adamw_clip(optax.adam(LR)))
+    grads = [jax.tree.map(jnp.asarray, g) for g in _grads()]
+    state = tx.init(PARAMS)
+    for g in grads:
+        _, state = tx.update(g, state, PARAMS)
+    assert {"clip_by_global_norm/norm", "stable_adamw_clip/scale_mean"} <= set(
+        optclip.stats(state))
+
+
+def test_nnx_optimizer():
+    nnx = pytest.importorskip("flax.nnx")
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    reference = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optclip.stable_adamw_clip(optax.adamw(LR)), wrt=nnx.Param)
+    tx = optclip.stable_adamw_clip(optax.adamw(LR))
+    params = nnx.as_pure(nnx.state(reference, nnx.Param))
+    state = tx.init(params)
+    x = jnp.arange(12.0).reshape(4, 3)
+    loss_fn = lambda m: jnp.mean(m(x) ** 2)  # noqa: E731
+    for _ in range(3):
+        grads = nnx.grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        pure_grads = nnx.as_pure(nnx.state(grads, nnx.Param))
+        updates, state = tx.update(pure_grads, state, params)
+        params = optax.apply_updates(params, updates)
+    chex.assert_trees_all_close(nnx.as_pure(nnx.state(model, nnx.Param)), params, rtol=1e-6)
+    assert "stable_adamw_clip/rms_max" in optclip.stats(nnx.as_pure(optimizer.opt_state))
+
+
+def test_nonfinite_gradients_leave_the_adam_state_unchanged():
+    tx, update = _jitted("spam")
+    state = tx.init(PARAMS)
+    g = jax.tree.map(jnp.asarray, _grads()[0])
+    _, state = update(g, state, PARAMS)
+    _, after = update({**g, "b": g["b"].at[0].set(jnp.inf)}, state, PARAMS)
+    chex.assert_trees_all_equal(after.inner, state.inner)
+    assert int(after.nonfinite) == 1
+
+
+@pytest.mark.parametrize("factory", [optclip.spam_clip, optclip.adamw_clip,
+                                     optclip.stable_adamw_clip])
+def test_an_inner_without_adam_moments_is_a_clear_error(factory):
+    with pytest.raises(ValueError, match="exactly one adam-style state"):
+        factory(optax.sgd(0.1)).init(PARAMS)
+    with pytest.raises(ValueError, match="found 2"):
+        factory(optax.chain(optax.adam(0.1), optax.adam(0.1))).init(PARAMS)
+
+
+@functools.cache
+def _stable_updates():
+    return (jax.jit(optclip.stable_adamw_clip(optax.adam(LR)).update),
+            jax.jit(optax.adam(LR).update))
+
+
+@given(st.lists(st.floats(1e-3, 1e3), min_size=2, max_size=8))
+def test_stable_adamw_scales_adam_by_a_factor_bounded_by_the_rms_limit(scales):
+    update, adam_update = _stable_updates()
+    tx, adam = optclip.stable_adamw_clip(optax.adam(LR)), optax.adam(LR)
+    state, adam_state = tx.init(PARAMS), adam.init(PARAMS)
+    base = jax.tree.map(jnp.asarray, _grads()[0])
+    for t, s in enumerate(scales, start=1):
+        g = jax.tree.map(lambda x: x * s, base)
+        out, state = update(g, state, PARAMS)
+        plain, adam_state = adam_update(g, adam_state, PARAMS)
+        for key in g:
+            scale = float(state.scale[key])
+            assert 0 < scale <= 1
+            assert float(state.rms[key]) <= np.sqrt((1 - B2 ** t) / (1 - B2)) * (1 + 1e-5)
+            np.testing.assert_allclose(np.asarray(out[key]), np.asarray(plain[key]) * scale,
+                                       rtol=1e-5, atol=1e-9)
