@@ -140,6 +140,26 @@ def test_nnx_optimizer(name):
     assert expected, f"optclip.stats found nothing for {name}"
 
 
+def test_stats_of_nnx_optimizer_and_nnx_state():
+    """``stats(optimizer)`` reads ``optimizer.opt_state``; ``nnx.state(optimizer)`` has lost the
+    optax state types, so ``stats`` says what to pass instead of returning ``{}``."""
+    from flax import nnx
+
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.chain(optclip.clip_by_global_norm(1.0),
+                                                 optax.adam(1e-2)), wrt=nnx.Param)
+    grads = nnx.grad(lambda m: jnp.sum(m(jnp.ones((1, 2))) ** 2))(model)
+    optimizer.update(model, grads)
+    expected = optclip.stats(optimizer.opt_state)
+    assert float(expected["clip_by_global_norm/norm"]) > 0
+    got = nnx.jit(optclip.stats)(optimizer)
+    assert set(got) == set(expected)
+    for key in expected:
+        assert float(got[key]) == float(expected[key]), key
+    with pytest.raises(TypeError, match=r"optimizer\.opt_state"):
+        optclip.stats(nnx.state(optimizer))
+
+
 # ---------------------------------------------------------------------------------------------
 # optax.inject_hyperparams
 
