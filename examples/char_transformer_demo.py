@@ -114,7 +114,8 @@ class Config:
     heads: int = 4
     text_bytes: int = 1_000_000
     # Steps (0-based) whose batch is corrupted: one character repeated over the whole batch, as
-    # from a broken data shard. The same for every strategy and seed; steps beyond ``steps`` are ignored.
+    # from a broken data shard. The same for every strategy and seed; steps past the run are
+    # ignored.
     bad_batches: tuple[int, ...] = (200, 260, 320)
 
 
@@ -391,6 +392,13 @@ AFTER = 10   # steps after it over which the damage is averaged
 ZOOM = (-5, 30)  # steps shown around a corrupted batch in the zoom panel
 
 
+def _nanmean(x: np.ndarray, axis: Any = None) -> np.ndarray:
+    """``np.nanmean`` that returns NaN for all-NaN slices without a warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.nanmean(x, axis=axis)
+
+
 def _clean(loss: np.ndarray, bad: Sequence[int]) -> np.ndarray:
     """``loss`` with the corrupted batches' own losses (and non-finite values) as NaN."""
     clean = np.where(np.isfinite(loss), loss, np.nan)
@@ -430,11 +438,11 @@ def summarize(history: History) -> dict[str, np.ndarray]:
     """
     clean = _clean(history.loss, history.bad)
     tail = max(len(history.loss[0]) // 10, 1)
-    rows = {"final_loss": np.nanmean(clean[:, -tail:], axis=1),
+    rows = {"final_loss": _nanmean(clean[:, -tail:], axis=1),
             "clipped": history.clipped.mean(axis=1)}
     if history.bad:
         rise = around_bad(history.loss, history.bad, 1, AFTER + 1)
-        rows["damage"] = np.nanmean(rise, axis=(1, 2))
+        rows["damage"] = _nanmean(rise, axis=(1, 2))
         rows["peak_damage"] = np.nanmax(rise, axis=(1, 2))
     return rows
 
@@ -484,6 +492,8 @@ def verdicts(rows: dict[str, dict[str, np.ndarray]], baseline: str = "none") -> 
     """
     if baseline not in rows:
         return []
+    if min(r.size for r in rows[baseline].values()) < 2:
+        return ["one seed: run several (--seeds) to tell differences from noise"]
     out = []
     for key in ("damage", "final_loss"):
         if key not in rows[baseline]:
@@ -558,10 +568,10 @@ def plot(histories: Sequence[History], baseline: float | None = None, path: str 
             _band(ax_scale, steps, smooth(h.update_norm / h.grad_norm, 5), c, h.name, lw=1)
         if h.bad:
             zoom = around_bad(h.loss, h.bad)           # (seeds, bad, lags)
-            _band(ax_zoom, lags, np.nanmean(zoom, axis=1), c, h.name)
+            _band(ax_zoom, lags, _nanmean(zoom, axis=1), c, h.name)
             nu = np.log2(around_bad_ratio(h.nu_max, h.bad))
             if np.isfinite(nu).any():
-                _band(ax_nu, lags, np.nanmean(nu, axis=1), c, h.name)
+                _band(ax_nu, lags, _nanmean(nu, axis=1), c, h.name)
     if baseline is not None:
         ax_loss.axhline(baseline, color="k", lw=1, ls="--", label="bigram table")
     settled = np.concatenate([smooth(_clean(h.loss, h.bad))[:, len(h.loss[0]) // 5:].ravel()
@@ -627,7 +637,8 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(t) for t in text.split(",") if t.strip())
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; every flag has a help text (``--help``)."""
     defaults = Config()
     known = "; ".join(f"{k}: {s.label}" + ("" if s.default else " (not default)")
                       for k, s in STRATEGIES.items())
@@ -655,7 +666,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bad-batches", default=",".join(map(str, defaults.bad_batches)),
                         help="comma-separated 0-based steps whose batch is corrupted ('' for none)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, np.ndarray]]:

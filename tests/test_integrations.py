@@ -341,21 +341,3 @@ def test_orbax_checkpoint_round_trip(name, tmp_path):
     params, state = run(tx, 5, restored["params"], restored_state, start=7)
     chex.assert_trees_all_equal(params, full_params)
     chex.assert_trees_all_equal(state, full_state)
-
-
-# ---------------------------------------------------------------------------------------------
-# The demo's building blocks run (the full job is `make demo`).
-
-def test_demo_smoke(tmp_path):
-    from optclip import demo
-
-    rows = demo.main(["--steps", "4", "--strategies", "clip_by_global_norm,zclip",
-                      "--out", str(tmp_path), "--no-progress", "--batch-size", "2",
-                      "--seq-len", "8", "--width", "8", "--depth", "1"])
-    assert "clip_by_global_norm" in rows
-    assert ("zclip" in rows) == hasattr(optclip, "zclip")  # skipped, with a note, until merged
-    for name in ("curves.png", "results.md", "results.json", "stats.jsonl"):
-        assert (tmp_path / name).stat().st_size > 0
-    lines = (tmp_path / "stats.jsonl").read_text().splitlines()
-    assert len(lines) == 4 * len(rows)
-    assert any("clip_by_global_norm/norm" in line for line in lines)
