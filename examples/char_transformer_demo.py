@@ -522,12 +522,17 @@ def verdicts(rows: dict[str, dict[str, np.ndarray]], baseline: str = "none") -> 
     return out
 
 
+MIN_EFFECT = 0.01  # nats/char: smaller differences are reported as negligible
+
+
 def holds(diff: np.ndarray) -> bool:
-    """A paired difference counts: the same sign on every seed, and its mean beyond half the
-    range of the per-seed differences (several seeds needed)."""
+    """A paired difference counts: the same sign on every seed, its mean beyond half the range
+    of the per-seed differences (several seeds needed) and at least ``MIN_EFFECT``."""
     diff = np.asarray(diff, np.float64)
     same_sign = bool(np.all(diff < 0) or np.all(diff > 0))
-    return diff.size > 1 and same_sign and abs(diff.mean()) > (diff.max() - diff.min()) / 2
+    mean = abs(diff.mean())
+    return (diff.size > 1 and same_sign and mean >= MIN_EFFECT
+            and mean > (diff.max() - diff.min()) / 2)
 
 
 def among(rows: dict[str, dict[str, np.ndarray]], baseline: str = "none") -> list[str]:
@@ -781,8 +786,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, np.ndarray]]:
     found = verdicts(rows)
     if found:
         print("\nPaired with 'none' (same weights and batches per seed); a difference counts "
-              "only if it has the same sign on every seed and its mean exceeds half the range "
-              "of the per-seed differences:")
+              "only if it has the same sign on every seed, its mean exceeds half the range "
+              f"of the per-seed differences and is at least {MIN_EFFECT} nats:")
         for line in found:
             print(f"  {line}")
     between = among(rows)
