@@ -6,9 +6,11 @@ on the source code of the Python standard library that ships with the running in
 purpose (the whole batch one repeated character, as from a broken data shard;
 ``--bad-batches``).
 For a given seed every strategy starts from the same weights and sees the same batches; the
-seeds run side by side (``jax.vmap``) in one compiled step per strategy, compiled before the
-timed loop. It prints the data's own character-bigram loss as a baseline, a table of mean +/-
-spread over the seeds with the differences that hold on every seed, and writes, in ``--out``:
+seeds run side by side (``jax.vmap``). Each step is the model's forward/backward pass (compiled
+once for all strategies) and the strategy's ``nnx.Optimizer.update`` (compiled per strategy),
+both compiled and run once before the timed loop. It prints the data's own character-bigram
+loss as a baseline, a table of mean +/- spread over the seeds with the differences that hold on
+every seed, and writes, in ``--out``:
 
 * ``curves.png``: loss, damage around the corrupted batches, Adam's second moment and the scale
   each strategy applied;
