@@ -1,8 +1,15 @@
 # `make demo` and `make test` each create .venv when it is missing and install what they need.
+# `make test` also runs the suite once in .venv-floor, on the oldest versions pyproject.toml
+# declares (.ci/floor.txt), without the notebooks and docs tests: those check the docs and
+# notebooks, not the library's compatibility, and would double the time.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+FLOOR := .venv-floor
 PYTEST_ARGS ?=
+FLOOR_PYTEST_ARGS ?= --ignore=tests/test_notebooks.py --ignore=tests/test_docs_examples.py \
+	--ignore=tests/test_docs_site.py
+LINTED := optclip tests benchmarks examples
 
 .PHONY: demo test docs bench lint clean
 
@@ -14,21 +21,35 @@ $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[test,docs,demo]'
 	touch $@
 
+$(FLOOR)/bin/python:
+	$(PYTHON) -m venv $(FLOOR)
+	$(FLOOR)/bin/python -m pip install -q --upgrade pip
+
+$(FLOOR)/.installed: pyproject.toml .ci/floor.txt | $(FLOOR)/bin/python
+	$(FLOOR)/bin/python -m pip install -q -c .ci/floor.txt -e '.[test,demo]'
+	$(FLOOR)/bin/python -c "import importlib.metadata as m; \
+	  pins = [l.strip().split('==') for l in open('.ci/floor.txt') if l[0].isalpha()]; \
+	  wrong = [(n, v, m.version(n)) for n, v in pins if m.version(n) != v]; \
+	  assert not wrong, f'not the floor versions: {wrong}'"
+	touch $@
+
 $(VENV)/.installed-demo: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[demo]'
 	touch $@
 
 demo: $(VENV)/.installed-demo
-	$(BIN)/python -m optclip.demo $(DEMO_ARGS)
+	$(BIN)/python examples/char_transformer_demo.py $(DEMO_ARGS)
 
-test: $(VENV)/.installed-test
-	$(BIN)/ruff check optclip tests benchmarks
+test: $(VENV)/.installed-test $(FLOOR)/.installed
+	$(BIN)/ruff check $(LINTED)
 	@# tests/test_docs_site.py looks at a built page in headless Chromium (Debian's package).
 	@command -v chromium >/dev/null 2>&1 || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 		$$SUDO apt-get update -qq && \
 		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 	$(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
 	OPTCLIP_DOCS_SITE=$(VENV)/site $(BIN)/python -m pytest -n 2 $(PYTEST_ARGS)
+	@echo "== the suite on the oldest supported versions (.ci/floor.txt)"
+	$(FLOOR)/bin/python -m pytest -n 2 -q $(FLOOR_PYTEST_ARGS) $(PYTEST_ARGS)
 
 docs: $(VENV)/.installed-test
 	$(BIN)/mkdocs build --strict --site-dir site
@@ -37,7 +58,7 @@ bench: $(VENV)/.installed-test
 	$(BIN)/python benchmarks/bench_clip.py $(BENCH_ARGS)
 
 lint: $(VENV)/.installed-test
-	$(BIN)/ruff check optclip tests benchmarks
+	$(BIN)/ruff check $(LINTED)
 
 clean:
-	rm -rf $(VENV) site
+	rm -rf $(VENV) $(FLOOR) site

@@ -684,12 +684,12 @@ def param_hist_clip(
 @stats_lib.diagnostic("zclip", ("norm", "threshold", "scale", "clipped", "mean", "var",
                                 "count", "spikes", "nonfinite"))
 class ZClipState(NamedTuple):
-    count: jax.Array         # int32 warm-up calls recorded, saturating at max(warmup_steps, 1)
+    count: jax.Array         # int32 calls with a finite norm (the warm-up lasts while < W)
     warmup_norms: jax.Array  # (max(warmup_steps, 1),) raw warm-up norms
     mean: jax.Array          # EMA of the norm (0 until the warm-up ends)
     var: jax.Array           # EMA of the squared deviation (0 until the warm-up ends)
     norm: jax.Array          # pre-clip global norm (last finite value)
-    threshold: jax.Array     # ZClip's effective threshold (the norm itself when no limit)
+    threshold: jax.Array     # norm above which this call clips (the norm itself when no limit)
     scale: jax.Array         # factor the updates were multiplied by
     clipped: jax.Array       # bool
     spikes: jax.Array        # int32 detected spikes
@@ -750,9 +750,12 @@ def zclip(
 
     Returns:
       An ``optax.GradientTransformation``. Its state logs ``norm`` (pre-clip), ``threshold``
-      (ZClip's effective threshold ``eff``; during the warm-up ``max_grad_norm``, or the norm
-      when it is ``None``), ``scale``, ``clipped``,
-      ``mean``, ``var``, ``count``, ``spikes`` and ``nonfinite``.
+      (on a spike the norm the update was clipped to, ``eff``; otherwise the norm above which
+      this call would have clipped: ``min(mean + z_thresh * (std + eps), max_grad_norm)``, or
+      ``mean + z_thresh * std`` in percentile mode; during the warm-up, or before ``std > 0``,
+      ``max_grad_norm``, or the norm itself when that is ``None``: no limit), ``scale``,
+      ``clipped``, ``mean``, ``var``, ``count`` (calls with a finite norm, warm-up included),
+      ``spikes`` and ``nonfinite``.
 
     References:
       zclip 1.0.0 ``ZClip``; Kumar et al., "ZClip: Adaptive Spike
@@ -823,7 +826,9 @@ def zclip(
         if mode == "percentile":
             threshold = mean + z_thresh * std
             spike = norm > threshold
+            detect = threshold
         else:
+            detect = mean + z_thresh * (std + eps)  # spike iff z > z_thresh iff norm > detect
             z = (norm - mean) / (std + eps)
             spike = z > z_thresh
             if clip_option == "mean":
@@ -835,6 +840,12 @@ def zclip(
         adaptive = jnp.where(spike, threshold, norm)
         # Python min(adaptive, cap): the first argument wins ties and NaN.
         eff = adaptive if cap is None else jnp.where(cap < adaptive, cap, adaptive)
+        # The logged threshold: eff on a spike, else the norm above which this call would clip.
+        limit = jnp.where(spike, threshold, detect)
+        if fixed:
+            limit = jnp.where(std > 0, limit, jnp.inf)
+        limit = limit if cap is None else jnp.minimum(limit, cap)
+        limit = jnp.where(warm, jnp.inf if cap is None else cap, limit)
         active_scale = jnp.where(norm > eff, eff / (norm + _TORCH_EPS), 1)
         fed = jnp.where(spike, threshold, norm)
         new_mean = alpha * mean + (1 - alpha) * fed
@@ -849,12 +860,12 @@ def zclip(
         finite = jnp.isfinite(norm)
         keep = lambda new, old: jnp.where(finite, new, old)
         return _scale_leaves(updates, scale), ZClipState(
-            count=keep(jnp.minimum(count + 1, steps), count),
+            count=keep(optax.safe_increment(count), count),
             warmup_norms=keep(buffer, state.warmup_norms),
             mean=keep(new_mean.astype(dtype), mean), var=keep(new_var.astype(dtype), var),
             norm=keep(norm, state.norm),
-            threshold=stats_lib.keep_finite(
-                jnp.where(warm, norm if cap is None else cap, eff).astype(dtype), state.threshold),
+            threshold=keep(jnp.where(jnp.isinf(limit), norm, limit).astype(dtype),
+                           state.threshold),
             scale=stats_lib.keep_finite(scale, state.scale), clipped=scale < 1,
             spikes=state.spikes + (finite & ~warm & spike).astype(jnp.int32),
             nonfinite=state.nonfinite + (~finite).astype(jnp.int32))

@@ -952,3 +952,34 @@ def test_stateful_warmup_transform_advances_only_during_warmup(make):
         counts = [int(state.warmup_state.count)]
     chex.assert_trees_all_close(outs[:3], alone, rtol=1e-6)
     assert counts == [3] * len(counts)
+
+
+@pytest.mark.parametrize("cap", [None, 1.3])
+def test_zclip_logs_its_threshold_and_counts_every_call(cap):
+    """``threshold`` is the norm above which a call clips (not the norm of a quiet call), capped
+    at ``max_grad_norm``; on a spike it is the norm clipped to. ``count`` keeps counting after
+    the warm-up; a non-finite call is not counted."""
+    tx = optclip.zclip(max_grad_norm=cap, warmup_steps=3)
+    update = jax.jit(tx.update)
+    state = tx.init({"w": jnp.zeros(1)})
+    logged = []
+    for n in [1.0, 1.2, 0.8, 1.0, 1.1, np.nan, 9.0]:
+        _, state = update({"w": jnp.array([n], jnp.float32)}, state)
+        logged.append({k: float(v) for k, v in optclip.stats(state).items()})
+    assert [s["zclip/count"] for s in logged] == [1, 2, 3, 4, 5, 5, 6]
+    # Warm-up ends with mean 1 and population variance 0.08/3; call 4 (norm 1) leaves the mean.
+    alpha, var = 0.97, 0.08 / 3
+    want = [1.0 + 2.5 * (math.sqrt(var) + 1e-6)]
+    var = alpha * var
+    want.append(1.0 + 2.5 * (math.sqrt(var) + 1e-6))  # call 5
+    limit = [w if cap is None else min(w, cap) for w in want]
+    np.testing.assert_allclose([logged[3]["zclip/threshold"], logged[4]["zclip/threshold"]],
+                               limit, rtol=1e-5)
+    assert not logged[3]["zclip/clipped"] and not logged[4]["zclip/clipped"]
+    assert logged[5]["zclip/threshold"] == logged[4]["zclip/threshold"]  # NaN call: unchanged
+    assert logged[6]["zclip/clipped"] and logged[6]["zclip/spikes"] == 1
+    np.testing.assert_allclose(logged[6]["zclip/threshold"], 9.0 * logged[6]["zclip/scale"],
+                               rtol=1e-5)
+    first = [s["zclip/threshold"] for s in logged[:3]]
+    np.testing.assert_allclose(first, [1.0, 1.2, 0.8] if cap is None else [cap] * 3,
+                               rtol=1e-6)  # the warm-up: no limit, or the cap

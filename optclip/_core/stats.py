@@ -59,6 +59,8 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
     for its second occurrence (in pytree order). Per-leaf or per-slice values are summarised
     as ``<field>_max`` and ``<field>_mean`` (numbers) or ``<field>_frac`` (flags: the fraction
     set); the full trees stay in the state. Pure and traceable: call it inside ``jax.jit``.
+    A flax ``nnx.Optimizer`` is read through its ``opt_state``; ``nnx.state(optimizer)`` has
+    lost the state types and raises ``TypeError``.
 
     Example:
         >>> import jax.numpy as jnp, optax, optclip
@@ -70,7 +72,14 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
         >>> float(s["clip_by_global_norm/norm"]), bool(s["clip_by_global_norm/clipped"])
         (4.0, True)
     """
+    if _is_flax(opt_state, "Optimizer"):  # a flax nnx.Optimizer: read its optax state
+        opt_state = opt_state.opt_state
     found = jax.tree.leaves(opt_state, is_leaf=lambda x: type(x) in _REGISTRY)
+    if _is_flax(opt_state, "State") and not any(type(x) in _REGISTRY for x in found):
+        raise TypeError(
+            "optclip.stats got a flax nnx.State (such as nnx.state(optimizer)), which keeps the "
+            "arrays but not the optax state types that identify each transform; pass the "
+            "optimizer's optax state, optimizer.opt_state, or the nnx.Optimizer itself")
     out: dict[str, jax.Array] = {}
     seen: collections.Counter[str] = collections.Counter()
     for state in found:
@@ -82,6 +91,12 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
         for field in fields:
             out.update(_summarise(f"{prefix}/{field}", getattr(state, field), field in per_leaf))
     return out
+
+
+def _is_flax(obj: Any, name: str) -> bool:
+    """Whether ``obj`` is an instance of a flax class called ``name`` (flax is not imported)."""
+    return any(c.__name__ == name and c.__module__.startswith("flax.")
+               for c in type(obj).__mro__)
 
 
 def keep_finite(new: Any, old: Any) -> Any:
