@@ -50,53 +50,62 @@ VOCAB = 128  # ASCII; other bytes are mapped to 0
 # ---------------------------------------------------------------------------------------------
 # Strategies: the one place to add a transform to the comparison. Each entry is a label (what it
 # does, with the settings used) and a factory; ``default`` strategies run without --strategies.
-# A factory naming a transform this version of optclip lacks is skipped with a note.
+# A factory returns either a transform that runs before Adam, or an ``AroundAdam`` for the
+# spike-protection transforms that wrap Adam itself (skipping its update, reading its moments).
+
+class AroundAdam(NamedTuple):
+    """A strategy that wraps the Adam optimizer instead of running before it."""
+    wrap: Callable[[optax.GradientTransformation], optax.GradientTransformation]
+
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
     label: str
-    make: Callable[[], optax.GradientTransformation]
+    make: Callable[[], optax.GradientTransformation | AroundAdam]
     default: bool = True
-
-
-def _get(name: str) -> Callable[..., optax.GradientTransformation]:
-    if not hasattr(optclip, name):
-        raise AttributeError(f"optclip.{name} is not available in this version")
-    return getattr(optclip, name)
 
 
 STRATEGIES: dict[str, Strategy] = {
     "none": Strategy("no clipping", optax.identity),
     "clip_by_global_norm": Strategy("global norm <= 1",
-                                    lambda: _get("clip_by_global_norm")(1.0)),
+                                    lambda: optclip.clip_by_global_norm(1.0)),
     "zclip": Strategy("ZClip: z-score > 2.5 of the norm's EMA, no fixed cap",
-                      lambda: _get("zclip")(max_grad_norm=None)),
+                      lambda: optclip.zclip(max_grad_norm=None)),
     "hist_clip": Strategy("drytorch HistClipper: z-score of the norm history",
-                          lambda: _get("hist_clip")()),
+                          lambda: optclip.hist_clip(), default=False),
     # Clips each leaf's norm to the norm of the EMA of that leaf's *gradient vectors*; gradient
     # noise averages out in that EMA, so it scales nearly every step (by about 0.1 here). Adam
     # after it undoes a constant scale: what matters is the relative scale at a spike.
     "clip_norm_by_ema": Strategy("per-leaf norm <= norm of the gradient's EMA (beta 0.99)",
-                                 lambda: _get("clip_norm_by_ema")()),
+                                 lambda: optclip.clip_norm_by_ema(), default=False),
     "quantile_clip": Strategy("AutoClip: global norm <= 0.9 quantile of the last 200",
-                              lambda: _get("quantile_clip")(0.9, history_length=200,
+                              lambda: optclip.quantile_clip(0.9, history_length=200,
                                                             global_threshold=True)),
-    # Spike protection from other families goes here, e.g.
-    # "skip_spikes": Strategy("...", lambda: _get("skip_spikes")()),
+    # Spike protection: skip the step, or clip against Adam's own second moment.
+    "skip_spikes": Strategy("skip the step when the norm's z-score > 6 (Adam's state untouched)",
+                            lambda: AroundAdam(optclip.skip_spikes)),
+    "adagc": Strategy("AdaGC: per-tensor norm <= 1.05x its EMA (global <= 1 in warm-up)",
+                      lambda: optclip.adagc(lambda_abs=1.0, warmup_steps=20)),
+    "spam_clip": Strategy("SPAM: |g| <= sqrt(5000 nu) elementwise, before Adam's moments",
+                          lambda: AroundAdam(optclip.spam_clip)),
+    "stable_adamw_clip": Strategy("StableAdamW: per-tensor update / max(1, RMS(g^2/nu))",
+                                  lambda: AroundAdam(optclip.stable_adamw_clip)),
+    "adamw_clip": Strategy("AdamWClip: |g| <= mean + 3 std from Adam's moments",
+                           lambda: AroundAdam(optclip.adamw_clip), default=False),
     # Not run by default (pass them with --strategies, or --strategies all):
     "standard_clip": Strategy("AutoClip: global norm <= mean + 2 std of the last 200",
-                              lambda: _get("standard_clip")(2.0, history_length=200,
+                              lambda: optclip.standard_clip(2.0, history_length=200,
                                                             global_threshold=True),
                               default=False),
     "param_hist_clip": Strategy("drytorch ParamHistClipper (per leaf)",
-                                lambda: _get("param_hist_clip")(), default=False),
+                                lambda: optclip.param_hist_clip(), default=False),
     "normalize_by_ema": Strategy("per-leaf norm = norm of the gradient's EMA",
-                                 lambda: _get("normalize_by_ema")(), default=False),
+                                 lambda: optclip.normalize_by_ema(), default=False),
     "clip_norm_growth": Strategy("per-leaf norm growth <= 1.5x per step",
-                                 lambda: _get("clip_norm_growth")(), default=False),
-    "clip_norm": Strategy("per-leaf norm <= 0.5", lambda: _get("clip_norm")(0.5),
+                                 lambda: optclip.clip_norm_growth(), default=False),
+    "clip_norm": Strategy("per-leaf norm <= 0.5", lambda: optclip.clip_norm(0.5),
                           default=False),
-    "clip_value": Strategy("|g| <= 0.01 elementwise", lambda: _get("clip_value")(0.01),
+    "clip_value": Strategy("|g| <= 0.01 elementwise", lambda: optclip.clip_value(0.01),
                            default=False),
 }
 
@@ -221,13 +230,17 @@ def record_norm() -> optax.GradientTransformation:
         lambda updates, state, params=None: (updates, AfterStrategy(optax.tree.norm(updates))))
 
 
-def make_optimizer(strategy: optax.GradientTransformation,
+def make_optimizer(strategy: optax.GradientTransformation | AroundAdam,
                    config: Config) -> optax.GradientTransformation:
-    """``strategy``, then Adam with a linear warm-up and cosine decay."""
+    """``strategy``, then Adam with a linear warm-up and cosine decay (or Adam wrapped by the
+    strategy, for an ``AroundAdam``)."""
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, config.learning_rate, config.warmup_steps, max(config.steps, config.warmup_steps + 1),
         end_value=config.learning_rate / 10)
-    return optax.chain(strategy, record_norm(), optax.adam(schedule))
+    adam = optax.adam(schedule)
+    if isinstance(strategy, AroundAdam):
+        return optax.chain(record_norm(), strategy.wrap(adam))
+    return optax.chain(strategy, record_norm(), adam)
 
 
 def _plain(tree: Any) -> Any:
@@ -347,13 +360,14 @@ class History:
 
 
 def clipped_flag(step_stats: dict[str, np.ndarray]) -> np.ndarray:
-    """Per seed: whether any transform in ``optclip.stats`` reported clipping this step."""
+    """Per seed: whether any transform in ``optclip.stats`` reported clipping (or skipping)
+    this step."""
     flags = [np.asarray(v) > 0 for k, v in step_stats.items()
-             if k.rsplit("/", 1)[-1] in ("clipped", "clipped_frac")]
+             if k.rsplit("/", 1)[-1] in ("clipped", "clipped_frac", "clipped_fraction", "skipped")]
     return np.any(flags, axis=0) if flags else np.zeros((), bool)
 
 
-def train(name: str, strategy: optax.GradientTransformation, data: np.ndarray,
+def train(name: str, strategy: optax.GradientTransformation | AroundAdam, data: np.ndarray,
           models: Models, progress: Any = None) -> History:
     """Train the models of every seed with ``make_optimizer(strategy)``; ``data`` is
     ``(seeds, steps, batch, seq_len + 1)``. Every step runs two compiled functions, both
@@ -663,18 +677,12 @@ def around_bad_ratio(x: np.ndarray, bad: Sequence[int]) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 # Command line.
 
-def available(names: Sequence[str]) -> tuple[dict[str, optax.GradientTransformation],
-                                             dict[str, str]]:
-    """Build the named strategies; returns ``(built, skipped name -> reason)``."""
-    built, skipped = {}, {}
-    for name in names:
-        if name not in STRATEGIES:
-            raise SystemExit(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
-        try:
-            built[name] = STRATEGIES[name].make()
-        except (AttributeError, TypeError, ValueError) as err:
-            skipped[name] = str(err)
-    return built, skipped
+def build(names: Sequence[str]) -> dict[str, optax.GradientTransformation | AroundAdam]:
+    """Build the named strategies (an unknown name stops the demo with the list of names)."""
+    unknown = [name for name in names if name not in STRATEGIES]
+    if unknown:
+        raise SystemExit(f"unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}")
+    return {name: STRATEGIES[name].make() for name in names}
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -727,9 +735,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, np.ndarray]]:
         raise SystemExit("no seed to run")
     names = list(STRATEGIES) if args.strategies == "all" else [
         s.strip() for s in args.strategies.split(",") if s.strip()]
-    strategies, skipped = available(names)
-    for name, reason in skipped.items():
-        print(f"note: skipping strategy {name!r}: {reason}")
+    strategies = build(names)
     if not strategies:
         raise SystemExit("no strategy to run")
 
@@ -783,8 +789,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, np.ndarray]]:
           f"final loss: last 10% of the steps (bigram baseline {baseline:.3f}); damage: mean "
           f"rise of the loss over the {AFTER} steps after a corrupted batch (steps {bad}) above "
           f"its median over the {BEFORE} before; peak damage: the largest rise on one step; "
-          f"steps clipped: steps on which optclip.stats reported clipping "
-          f"(clip_norm_by_ema clips nearly every step by design).")
+          f"steps clipped: steps on which optclip.stats reported clipping or, for "
+          f"skip_spikes, a skipped step (clip_norm_by_ema clips nearly every step by design).")
     found = verdicts(rows)
     if found:
         print("\nPaired with 'none' (same weights and batches per seed); a difference counts "
@@ -804,7 +810,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, np.ndarray]]:
         json.dump({"config": dataclasses.asdict(config), "bigram_baseline": baseline,
                    "results": {k: {m: v.tolist() for m, v in r.items()}
                                for k, r in rows.items()},
-                   "verdicts": found, "skipped": skipped}, f, indent=2)
+                   "verdicts": found}, f, indent=2)
     png = os.path.join(args.out, "curves.png")
     plot(histories, baseline, png)
     print(f"wrote {png}, results.md, results.json and stats.jsonl to {args.out}/ "
