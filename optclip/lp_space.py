@@ -206,8 +206,8 @@ def _sign(g: jax.Array) -> jax.Array:
     return jnp.where(g == 0, jnp.zeros_like(g), jnp.sign(g))
 
 
-def _normalized(g: jax.Array, ord: float, axes: tuple[int, ...], eps: Any
-                ) -> tuple[jax.Array, jax.Array]:
+def _normalized(g: jax.Array, ord: float, axes: tuple[int, ...], eps: Any,
+                split: tuple[str, ...] = ()) -> tuple[jax.Array, jax.Array]:
     """``g / max(||g||, eps)`` per slice, in the wide dtype; returns (output, norm).
 
     The norm is the plain reduction (the reference's formula in the normal range). Where it
@@ -218,9 +218,10 @@ def _normalized(g: jax.Array, ord: float, axes: tuple[int, ...], eps: Any
     [3e38, 3e38] (spec §6 D4). A zero slice stays zero in every dtype, also for ``eps=0`` (the
     reference gives NaN in float16: §6 D5). XLA turns the division by a per-slice value into a
     multiplication by its reciprocal, so results can differ from the reference by an ulp (§4.3).
+    ``split``: mesh axes the slices are split over (inside ``shard_map``/``pmap``).
     """
     wide = g.astype(norms.acc_dtype(g.dtype))
-    norm = norms.slice_norm(wide, ord, axes)
+    norm = norms.slice_norm(wide, ord, axes, split)
     eps = jnp.asarray(eps).astype(wide.dtype)
     # float16 is accumulated in float32, where its norms can neither underflow nor overflow.
     if g.dtype == jnp.float16:
@@ -228,13 +229,14 @@ def _normalized(g: jax.Array, ord: float, axes: tuple[int, ...], eps: Any
         return wide / jnp.where(denom == 0, 1, denom), norm
     tiny = float(jnp.finfo(wide.dtype).tiny)
     low = tiny if ord == 1.0 else math.sqrt(tiny)
-    biggest = jnp.max(jnp.abs(wide), axis=axes, keepdims=True, initial=0)
+    biggest = norms.across(jnp.max(jnp.abs(wide), axis=axes, keepdims=True, initial=0), "max",
+                           split)
     rescale = ((norm < low) | (norm >= 1 / tiny)) & (biggest > 0) & jnp.isfinite(biggest)
     # Scale by 2**-e (exact) in two halves, so that neither factor is subnormal or infinite.
     shift = jnp.where(rescale, -jnp.frexp(biggest)[1], 0)
     half = jnp.ldexp(jnp.ones((), wide.dtype), shift // 2)
     unit = wide * half * half * jnp.ldexp(jnp.ones((), wide.dtype), shift % 2)
-    denom = jnp.where(rescale, norms.slice_norm(unit, ord, axes), jnp.maximum(norm, eps))
+    denom = jnp.where(rescale, norms.slice_norm(unit, ord, axes, split), jnp.maximum(norm, eps))
     out = unit / jnp.where(denom == 0, 1, denom)
     return out, jnp.where(rescale, jnp.ldexp(denom, -shift), norm)
 
@@ -254,15 +256,16 @@ def _slice_rows(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
     its axes are replicated first (the batch axes keep their sharding).
     """
     n_batch = x.ndim - len(axes)
-    if len(axes) == 1:
-        return x
     if not axes:
         return x[..., None]
     sharding = _explicit_sharding(x)
     if sharding is not None:
         spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
-        x = jax.sharding.reshard(x, jax.sharding.NamedSharding(
-            sharding.mesh, jax.sharding.PartitionSpec(*spec[:n_batch], *[None] * len(axes))))
+        if any(s is not None for s in spec[n_batch:]):
+            x = jax.sharding.reshard(x, jax.sharding.NamedSharding(
+                sharding.mesh, jax.sharding.PartitionSpec(*spec[:n_batch], *[None] * len(axes))))
+    if len(axes) == 1:
+        return x
     return x.reshape(*x.shape[:n_batch], axes_lib.slice_size(x.shape, axes))
 
 
@@ -414,14 +417,16 @@ def sign(grad_scale: float = 1.0, grad_bias: float = 0.0) -> optax.GradientTrans
 
 
 def _lp_normalize(ord: float, state_cls: type, name: str, param_ndim: int | None, eps: Any,
-                  grad_scale: Any, grad_bias: Any) -> optax.GradientTransformation:
+                  grad_scale: Any, grad_bias: Any, axis_name: norms.AxisName
+                  ) -> optax.GradientTransformation:
     axes_lib.check_param_ndim(param_ndim)
+    norms.check_axis_name(axis_name)
     checks.non_negative("eps", eps)
     _check_affine(grad_scale, grad_bias)
 
     def leaf(g):
         axes = _slice_axes(g, param_ndim)
-        out, norm = _normalized(g, ord, axes, eps)
+        out, norm = _normalized(g, ord, axes, eps, norms.split_axes([g], axis_name)[0])
         return _affine(out.astype(g.dtype), grad_scale, grad_bias), jnp.squeeze(norm, axis=axes)
 
     def apply(updates):
@@ -435,7 +440,7 @@ def _lp_normalize(ord: float, state_cls: type, name: str, param_ndim: int | None
     def update_fn(updates, state, params=None):
         del params
         new_updates, measured = apply(updates)
-        finite = stats_lib.all_finite(updates)
+        finite = stats_lib.all_finite(updates, axis_name)
         return new_updates, state_cls(stats_lib.keep_if(finite, measured, state.norm),
                                       stats_lib.count_nonfinite(state.nonfinite, finite))
 
@@ -443,7 +448,8 @@ def _lp_normalize(ord: float, state_cls: type, name: str, param_ndim: int | None
 
 
 def l1_normalize(param_ndim: int | None = -1, eps: float = TINY, grad_scale: float = 1.0,
-                 grad_bias: float = 0.0) -> optax.GradientTransformation:
+                 grad_bias: float = 0.0, *, axis_name: norms.AxisName = None
+                 ) -> optax.GradientTransformation:
     """Divide every slice by its L1 norm: ``g <- g / max(Σ|g|, eps) * grad_scale + grad_bias``.
 
     Args:
@@ -453,6 +459,9 @@ def l1_normalize(param_ndim: int | None = -1, eps: float = TINY, grad_scale: flo
       eps: lower bound of the divisor (rai_toolbox ``div_by_zero_eps``), ``>= 0``.
       grad_scale: multiplies the normalized gradient.
       grad_bias: then added to every element.
+      axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) the slices' axes are
+        split over; partial norms are combined with ``psum``. Slices that lie whole on each
+        device need none.
 
     Returns:
       An ``optax.GradientTransformation`` whose state logs each slice's L1 ``norm`` before
@@ -473,11 +482,12 @@ def l1_normalize(param_ndim: int | None = -1, eps: float = TINY, grad_scale: flo
       [0.5, 0.5]
     """
     return _lp_normalize(1.0, L1NormalizeState, "l1_normalize", param_ndim, eps, grad_scale,
-                         grad_bias)
+                         grad_bias, axis_name)
 
 
 def l2_normalize(param_ndim: int | None = -1, eps: float = TINY, grad_scale: float = 1.0,
-                 grad_bias: float = 0.0) -> optax.GradientTransformation:
+                 grad_bias: float = 0.0, *, axis_name: norms.AxisName = None
+                 ) -> optax.GradientTransformation:
     """Divide every slice by its L2 norm: ``g <- g / max(||g||₂, eps) * grad_scale + grad_bias``.
 
     Args:
@@ -486,6 +496,7 @@ def l2_normalize(param_ndim: int | None = -1, eps: float = TINY, grad_scale: flo
       eps: lower bound of the divisor (rai_toolbox ``div_by_zero_eps``), ``>= 0``.
       grad_scale: multiplies the normalized gradient.
       grad_bias: then added to every element.
+      axis_name: as in :func:`l1_normalize`.
 
     Returns:
       An ``optax.GradientTransformation`` whose state logs each slice's L2 ``norm`` before
@@ -505,7 +516,7 @@ def l2_normalize(param_ndim: int | None = -1, eps: float = TINY, grad_scale: flo
       [[0.0, 0.0], [0.6, -0.8]]
     """
     return _lp_normalize(2.0, L2NormalizeState, "l2_normalize", param_ndim, eps, grad_scale,
-                         grad_bias)
+                         grad_bias, axis_name)
 
 
 def _top_q_family(name: str, state_cls: type, q: Any, dq: Any, param_ndim: int | None,

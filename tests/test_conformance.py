@@ -198,3 +198,62 @@ def test_vmap_per_example_inside_scan_matches_the_loop(entry):
         for step, loop_out in enumerate(loop_outs):
             chex.assert_trees_all_close(jax.tree.map(lambda x: x[step, example], outs), loop_out,
                                         rtol=entry.rtol, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Convention 14: inside shard_map, transforms with ``axis_name`` give the global answer.
+
+axis_entries = pytest.mark.parametrize(
+    "entry", [e for e in ALL_ENTRIES if e.axis_make is not None], ids=str)
+
+
+@entries
+def test_axis_name_is_registered_exactly_where_the_factory_takes_it(entry):
+    import inspect
+    takes = "axis_name" in inspect.signature(getattr(optclip, entry.name)).parameters
+    assert takes == (entry.axis_make is not None), "set Entry.axis_make for axis_name"
+
+
+def _auto_mesh():
+    return jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def _shard_map_steps(tx, grads, specs):
+    """``STEPS`` updates inside ``shard_map``; returns each step's outputs and the last stats
+    (declared replicated, so JAX checks that every device holds the same values)."""
+    def body(*steps):
+        state = tx.init(steps[0])
+        outs = []
+        for g in steps:
+            out, state = tx.update(g, state)
+            outs.append(out)
+        return outs, optclip.stats(state)
+
+    mapped = jax.shard_map(body, mesh=_auto_mesh(), in_specs=(specs,) * len(grads),
+                           out_specs=([specs] * len(grads), PartitionSpec()))
+    return jax.jit(mapped)(*grads)
+
+
+@axis_entries
+def test_shard_map_with_axis_name_matches_the_unsharded_run(entry):
+    """"w" split 8 ways along axis 0, "b" replicated (counted once): same outputs and stats."""
+    grads = _grads(entry)
+    specs = {"w": PartitionSpec("x"), "b": PartitionSpec()}
+    outs, logged = _shard_map_steps(entry.axis_make("x"), grads, specs)
+    plain = entry.axis_make(None)
+    expected_outs, state = _run(jax.jit(plain.update), plain.init(grads[0]), grads, None)
+    chex.assert_trees_all_close(outs, expected_outs, rtol=1e-5, atol=1e-6)
+    expected = optclip.stats(state)
+    assert logged.keys() == expected.keys()
+    chex.assert_trees_all_close(logged, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("entry", [e for e in ALL_ENTRIES if e.ones_norm is not None], ids=str)
+def test_shard_map_ones_clipped_by_their_global_norm(entry):
+    """``ones(8, 4)`` split 8 ways: the global norm is sqrt(32), not each shard's 2."""
+    outs, logged = _shard_map_steps(entry.axis_make("x"), [jnp.ones((8, 4))],
+                                    PartitionSpec("x"))
+    np.testing.assert_allclose(float(optax.tree.norm(outs[0])), entry.ones_norm, rtol=1e-5)
+    norms = [v for k, v in logged.items() if k.endswith(("/norm", "/norm_max"))]
+    assert norms, logged.keys()
+    np.testing.assert_allclose(np.asarray(norms, np.float64), np.sqrt(32.0), rtol=1e-6)

@@ -89,11 +89,16 @@ def keep_finite(new: Any, old: Any) -> Any:
     return jax.tree.map(lambda n, o: jnp.where(jnp.isfinite(n), n, o), new, old)
 
 
-def all_finite(tree: Any) -> jax.Array:
-    """Scalar bool: every element of every floating leaf of ``tree`` is finite."""
+def all_finite(tree: Any, axis_name: norms.AxisName = None) -> jax.Array:
+    """Scalar bool: every element of every floating leaf of ``tree`` is finite.
+
+    With ``axis_name`` (inside ``shard_map``/``pmap``) on every device along those mesh axes,
+    so a step is committed or skipped everywhere alike.
+    """
     checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
               if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
-    return jnp.all(norms.gather_scalars(checks)) if checks else jnp.asarray(True)
+    local = jnp.all(norms.gather_scalars(checks)) if checks else jnp.asarray(True)
+    return norms.all_true(local, axis_name)
 
 
 def keep_if(ok: jax.Array, new: Any, old: Any) -> Any:
