@@ -261,7 +261,9 @@ def clip_value(value: ScalarOrSchedule, axis_name: AxisName = None
                             if norms.is_float(g) else None, tree)
 
     def init_fn(params):
-        zeros = stats_lib.zeros_like_shapes(jax.eval_shape(max_abs, params))
+        zeros = stats_lib.zeros_like_params(
+            lambda p: jax.tree.map(lambda g: jnp.zeros((), norms.acc_dtype(g.dtype))
+                                   if norms.is_float(g) else None, p), params)
         return ClipValueState(jnp.zeros([], jnp.int32), zeros,
                               jax.tree.map(lambda z: jnp.zeros((), bool), zeros),
                               jnp.zeros([], jnp.int32))
@@ -388,13 +390,15 @@ def clip_norm(
     checks.positive("max_norm", max_norm, allow_schedule=True)
     ord = _check_slices(ord, dim, inverse_dims, min_size, axis_name)
 
-    def measure(tree, bound):
+    def measure(tree, bound, axis_name=axis_name):
         return _clip_grad_norm(tree, bound, ord, dim, inverse_dims, min_size, None, axis_name)
 
     def init_fn(params):
-        zeros = stats_lib.zeros_like_shapes(jax.eval_shape(lambda p: measure(p, 1.0)[1], params))
+        # Measured without axis_name: the shapes are the same, and init may run outside
+        # shard_map.
+        zeros = stats_lib.zeros_like_params(lambda p: measure(p, 1.0, None)[1], params)
         return ClipNormState(jnp.zeros([], jnp.int32), zeros,
-                             jax.tree.map(lambda z: jnp.zeros(z.shape, bool), zeros),
+                             jax.tree.map(lambda z: z > 0, zeros),
                              jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
@@ -449,13 +453,13 @@ def normalize(
     checks.positive("eps", eps, allow_none=True)
     ord = _check_slices(ord, dim, inverse_dims, min_size, axis_name)
 
-    def measure(tree, target):
+    def measure(tree, target, axis_name=axis_name):
         return _normalized(tree, target, ord, dim, inverse_dims, min_size, eps, axis_name)
 
     state_cls = GlobalNormalizeState if dim == axes_lib.GLOBAL else NormalizeState
 
     def init_fn(params):
-        zeros = stats_lib.zeros_like_shapes(jax.eval_shape(lambda p: measure(p, 1.0)[1], params))
+        zeros = stats_lib.zeros_like_params(lambda p: measure(p, 1.0, None)[1], params)
         return state_cls(jnp.zeros([], jnp.int32), zeros, jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):

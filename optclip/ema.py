@@ -116,9 +116,8 @@ def _double_tiny(dtype) -> jax.Array:
 
 def _float_zeros(tree: Any) -> Any:
     """Per float leaf: zeros of its shape in the statistics dtype; ``None`` elsewhere."""
-    # zeros_like keeps the leaf's sharding (also its sharding type under an explicit mesh).
-    return jax.tree.map(lambda x: jnp.zeros_like(x, norms.acc_dtype(x.dtype))
-                        if norms.is_float(x) else None, tree)
+    return stats_lib.zeros_like_params(lambda t: jax.tree.map(
+        lambda x: x.astype(norms.acc_dtype(x.dtype)) if norms.is_float(x) else None, t), tree)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -150,8 +150,9 @@ def clip_value_growth(
                 jnp.where(first, 1, max_ratio).astype(prev.dtype), clipped & ~first)
 
     def init_fn(params):
-        prev = jax.tree.map(lambda x: jnp.zeros_like(x, norms.acc_dtype(x.dtype))
-                            if norms.is_float(x) else None, params)
+        prev = stats_lib.zeros_like_params(lambda t: jax.tree.map(
+            lambda x: x.astype(norms.acc_dtype(x.dtype)) if norms.is_float(x) else None, t),
+            params)
         ratio = jax.tree.map(lambda p: jnp.ones((), p.dtype), prev)
         zero = jnp.zeros([], jnp.int32)
         return ClipValueGrowthState(zero, prev, ratio,

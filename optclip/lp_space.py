@@ -424,17 +424,18 @@ def _lp_normalize(ord: float, state_cls: type, name: str, param_ndim: int | None
     checks.non_negative("eps", eps)
     _check_affine(grad_scale, grad_bias)
 
-    def leaf(g):
+    def leaf(g, axis_name):
         axes = _slice_axes(g, param_ndim)
         out, norm = _normalized(g, ord, axes, eps, norms.split_axes([g], axis_name)[0])
         return _affine(out.astype(g.dtype), grad_scale, grad_bias), jnp.squeeze(norm, axis=axes)
 
-    def apply(updates):
-        return norms.tree_unzip(lambda g: leaf(g) if norms.is_float(g) else (g, None), updates, 2)
+    def apply(updates, axis_name=axis_name):
+        return norms.tree_unzip(lambda g: leaf(g, axis_name) if norms.is_float(g) else (g, None),
+                                updates, 2)
 
     def init_fn(params):
         _check_param_ndim_on(params, param_ndim, name)
-        measured = stats_lib.zeros_like_shapes(jax.eval_shape(lambda p: apply(p)[1], params))
+        measured = stats_lib.zeros_like_params(lambda p: apply(p, None)[1], params)
         return state_cls(measured, jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
@@ -773,9 +774,8 @@ def project_l2_ball(epsilon: float, param_ndim: int | None = -1, *, exact: bool 
 
     def init_diag(params):
         _check_param_ndim_on(params, param_ndim, "project_l2_ball")
-        shapes = jax.eval_shape(lambda p: norms.tree_unzip(
+        return stats_lib.zeros_like_params(lambda p: norms.tree_unzip(
             lambda x: project(x)[1:] if norms.is_float(x) else (None, None), p, 2), params)
-        return tuple(stats_lib.zeros_like_shapes(s) for s in shapes)
 
     return _projection("project_l2_ball", project, init_diag, ProjectL2BallState)
 

@@ -145,34 +145,53 @@ def test_bad_hyperparameters_rejected_at_construction(entry):
             factory(**kwargs)
 
 
-def _shard(tree, mesh):
-    def place(x):
-        spec = (PartitionSpec("x", *([None] * (x.ndim - 1)))
-                if x.ndim >= 1 and x.shape[0] % mesh.size == 0 else PartitionSpec())
-        return jax.device_put(x, NamedSharding(mesh, spec))
-    return jax.tree.map(place, tree)
+# Layouts of the default tree {"w": (8, 4), "b": (4,)}: data/FSDP (w split by rows), tensor
+# parallel (w split by columns, b too), and both at once on a 2-D mesh.
+LAYOUTS = {
+    "fsdp": ((8,), ("x",), {"w": PartitionSpec("x"), "b": PartitionSpec()}),
+    "tp": ((2, 4), ("d", "m"), {"w": PartitionSpec(None, "m"), "b": PartitionSpec("m")}),
+    "2d": ((2, 4), ("d", "m"), {"w": PartitionSpec("d", "m"), "b": PartitionSpec("m")}),
+}
+
+
+def _shard(tree, mesh, specs):
+    return jax.tree.map(lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)), tree, specs)
+
+
+def _specs(state):
+    return [jax.typeof(x).sharding.spec for x in jax.tree.leaves(state)]
 
 
 @entries
-@pytest.mark.parametrize("axis_type", ["explicit", "auto"])
-def test_sharded_run_matches_unsharded(entry, axis_type):
+@pytest.mark.parametrize("layout, axis_type", [("fsdp", "explicit"), ("tp", "explicit"),
+                                               ("2d", "explicit"), ("2d", "auto")])
+def test_sharded_run_matches_unsharded(entry, layout, axis_type):
+    """Under jit on sharded arrays: same numbers; outputs keep the gradients' shardings; the
+    state that ``jax.jit(tx.init)`` returns has the shardings ``update`` returns (no second
+    compilation; a ``lax.scan`` carry type-checks)."""
     if jax.device_count() < 8:
         pytest.fail("the sharding check needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
     axis = jax.sharding.AxisType.Explicit if axis_type == "explicit" else jax.sharding.AxisType.Auto
-    mesh = jax.make_mesh((8,), ("x",), axis_types=(axis,))
+    shape, names, specs = LAYOUTS[layout]
+    mesh = jax.make_mesh(shape, names, axis_types=(axis,) * len(shape))
     tx, update = _compiled(entry.name)
     params = _params(entry)
     plain_out, plain_state = _run(update, tx.init(params), _grads(entry), params)
     with jax.set_mesh(mesh):
-        sharded_params = _shard(params, mesh)
-        sharded_grads = [_shard(g, mesh) for g in _grads(entry)]
+        sharded_params = _shard(params, mesh, specs)
+        sharded_grads = [_shard(g, mesh, specs) for g in _grads(entry)]
         sharded_update = jax.jit(tx.update)
-        sharded_out, sharded_state = _run(sharded_update, tx.init(sharded_params),
-                                          sharded_grads, sharded_params)
+        init_state = jax.jit(tx.init)(sharded_params)
+        sharded_out, sharded_state = _run(sharded_update, init_state, sharded_grads,
+                                          sharded_params)
     chex.assert_trees_all_close(sharded_out, plain_out, rtol=entry.rtol, atol=1e-6)
     chex.assert_trees_all_close(sharded_state, plain_state, rtol=entry.rtol, atol=1e-6)
     for out, g in zip(jax.tree.leaves(sharded_out[-1]), jax.tree.leaves(sharded_grads[-1])):
         assert out.sharding.is_equivalent_to(g.sharding, g.ndim), (out.sharding, g.sharding)
+    for before, after in zip(jax.tree.leaves(init_state), jax.tree.leaves(sharded_state)):
+        assert before.sharding.is_equivalent_to(after.sharding, before.ndim), (
+            before.sharding, after.sharding)
+    assert _specs(init_state) == _specs(sharded_state)
 
 
 @entries
