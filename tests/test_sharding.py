@@ -3,11 +3,12 @@ scan carries, collectives in the compiled HLO, and a two-process run."""
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 import optclip
 
@@ -75,3 +76,88 @@ def test_bad_axis_name_rejected_at_construction():
         optclip.clip_by_global_norm(1.0, axis_name=3)
     with pytest.raises(TypeError, match="axis_name"):
         optclip.zclip(axis_name=("x", None))
+
+
+# ---------------------------------------------------------------------------------------------
+# Under jit on sharded arrays (GSPMD): scan carries and the collectives XLA emits.
+
+def _tree(seed):
+    rng = np.random.default_rng(seed)
+    return {"w": jnp.asarray(rng.normal(size=(8, 8)), jnp.float32),
+            "b": jnp.asarray(rng.normal(size=(8,)), jnp.float32)}
+
+
+SPECS_2D = {"w": P("d", "m"), "b": P("m")}
+
+
+def _place(tree, mesh, specs):
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: optclip.clip_norm(1.0, dim=1),
+    lambda: optclip.top_q(0.5),
+    lambda: optclip.clip_norm_by_ema(beta=0.5),
+    lambda: optclip.zclip(warmup_steps=2),
+], ids=["clip_norm_dim1", "top_q", "clip_norm_by_ema", "zclip"])
+def test_lax_scan_carries_the_state_on_an_explicit_2d_mesh(make):
+    tx = make()
+    mesh = _mesh((2, 4), ("d", "m"), "explicit")
+    steps = [_tree(s) for s in range(3)]
+    expected_state = tx.init(steps[0])
+    expected = []
+    for g in steps:
+        out, expected_state = tx.update(g, expected_state)
+        expected.append(out)
+    with jax.set_mesh(mesh):
+        stacked = _place(jax.tree.map(lambda *xs: jnp.stack(xs), *steps), mesh,
+                         jax.tree.map(lambda s: P(None, *s), SPECS_2D))
+        state = jax.jit(tx.init)(_place(steps[0], mesh, SPECS_2D))
+
+        @jax.jit
+        def run(state, grads):
+            return jax.lax.scan(lambda s, g: tx.update(g, s)[::-1], state, grads)
+
+        state, outs = run(state, stacked)
+    for i, out in enumerate(expected):
+        chex.assert_trees_all_close(jax.tree.map(lambda x: x[i], outs), out, rtol=1e-5,
+                                    atol=1e-6)
+    chex.assert_trees_all_close(state, expected_state, rtol=1e-5, atol=1e-6)
+
+
+def _collectives(hlo: str) -> dict[str, list[str]]:
+    """Result shapes of every cross-device collective in an optimized HLO module."""
+    found: dict[str, list[str]] = {}
+    for line in hlo.splitlines():
+        for op in ("all-reduce", "all-gather", "all-to-all", "collective-permute",
+                   "reduce-scatter"):
+            if f" {op}(" in line or f" {op}-start(" in line:
+                found.setdefault(op, []).append(line.split("=", 1)[1].split(op)[0].strip())
+    return found
+
+
+@pytest.mark.parametrize("make", [
+    lambda: optclip.clip_by_global_norm(1.0),
+    lambda: optclip.normalize(dim="global"),
+    lambda: optclip.clip_norm(1.0),
+    lambda: optclip.zclip(),
+    lambda: optclip.hist_clip(),
+    lambda: optclip.quantile_clip(global_threshold=True, history_length=8),
+    lambda: optclip.clip_norm_by_ema(tensorwise=False),
+    lambda: optclip.clip_norm_growth(parameterwise=False),
+], ids=["clip_by_global_norm", "normalize_global", "clip_norm", "zclip", "hist_clip",
+        "quantile_clip", "clip_norm_by_ema", "clip_norm_growth"])
+def test_global_clippers_exchange_only_scalars(make):
+    """FSDP and TP on a 2-D mesh under jit: only scalar all-reduces, nothing gathered."""
+    tx = make()
+    mesh = _mesh((2, 4), ("d", "m"), "auto")
+    with jax.set_mesh(mesh):
+        g = _place(_tree(0), mesh, SPECS_2D)
+        state = jax.jit(tx.init)(g)
+        hlo = jax.jit(tx.update).lower(g, state).compile().as_text()
+    found = _collectives(hlo)
+    assert set(found) <= {"all-reduce"}, found
+    assert found.get("all-reduce"), "the global statistic must be combined across devices"
+    for shape in found["all-reduce"]:
+        assert all(part.strip().endswith("[]") or "[]" in part for part in shape.split(",")), (
+            shape)
