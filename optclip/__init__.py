@@ -58,6 +58,9 @@ from optclip.lp_space import (
     top_q,
 )
 
+# unit-wise (issue 14)
+from optclip.unitwise import adaptive_grad_clip, flax_unit_axes
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -105,4 +108,7 @@ __all__ = [
     "project_linf_ball",
     "sign",
     "top_q",
+    # unitwise.py
+    "adaptive_grad_clip",
+    "flax_unit_axes",
 ]

@@ -79,7 +79,7 @@ def _count_nonfinite(nonfinite: jax.Array, measured: Any, axis_name=None) -> jax
 def _check_slices(ord: Ord, dim: Dim, inverse_dims: bool, min_size: int,
                   axis_name: AxisName = None) -> float | str:
     norms.check_axis_name(axis_name)
-    axes_lib.check_dim(dim)
+    axes_lib.check_dim(dim, allow_per_leaf=True)
     checks.boolean("inverse_dims", inverse_dims)
     checks.integer("min_size", min_size, low=0)
     return norms.canonical_ord(ord)
@@ -390,13 +390,11 @@ def clip_norm(
     checks.positive("max_norm", max_norm, allow_schedule=True)
     ord = _check_slices(ord, dim, inverse_dims, min_size, axis_name)
 
-    def measure(tree, bound, axis_name=axis_name):
+    def measure(tree, bound):
         return _clip_grad_norm(tree, bound, ord, dim, inverse_dims, min_size, None, axis_name)
 
     def init_fn(params):
-        # Measured without axis_name: the shapes are the same, and init may run outside
-        # shard_map.
-        zeros = stats_lib.zeros_like_params(lambda p: measure(p, 1.0, None)[1], params)
+        zeros = stats_lib.zeros_like_params(lambda p: measure(p, 1.0)[1], params)
         return ClipNormState(jnp.zeros([], jnp.int32), zeros,
                              jax.tree.map(lambda z: z > 0, zeros),
                              jnp.zeros([], jnp.int32))
@@ -453,13 +451,13 @@ def normalize(
     checks.positive("eps", eps, allow_none=True)
     ord = _check_slices(ord, dim, inverse_dims, min_size, axis_name)
 
-    def measure(tree, target, axis_name=axis_name):
+    def measure(tree, target):
         return _normalized(tree, target, ord, dim, inverse_dims, min_size, eps, axis_name)
 
     state_cls = GlobalNormalizeState if dim == axes_lib.GLOBAL else NormalizeState
 
     def init_fn(params):
-        zeros = stats_lib.zeros_like_params(lambda p: measure(p, 1.0, None)[1], params)
+        zeros = stats_lib.zeros_like_params(lambda p: measure(p, 1.0)[1], params)
         return state_cls(jnp.zeros([], jnp.int32), zeros, jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
@@ -501,7 +499,7 @@ def centralize(dim: Dim = None, inverse_dims: bool = False, min_size: int = 2,
       >>> tx.update(g, tx.init(g))[0].tolist()
       [-2.0, -1.0, 3.0]
     """
-    axes_lib.check_dim(dim)
+    axes_lib.check_dim(dim, allow_per_leaf=True)
     checks.boolean("inverse_dims", inverse_dims)
     checks.integer("min_size", min_size, low=0)
     norms.check_axis_name(axis_name)
@@ -509,10 +507,10 @@ def centralize(dim: Dim = None, inverse_dims: bool = False, min_size: int = 2,
     def centre(g, mean):
         return (g.astype(mean.dtype) - mean).astype(g.dtype)
 
-    def one_leaf(g):
+    def one_leaf(g, leaf_dim):
         if not norms.is_float(g):
             return g
-        axes = axes_lib.reduction_axes(g.ndim, dim, inverse_dims)
+        axes = axes_lib.reduction_axes(g.ndim, leaf_dim, inverse_dims)
         split = norms.split_axes([g], axis_name)[0]
         if axes is None or axes_lib.slice_size(g.shape, axes) * norms.axes_size(split) < min_size:
             return g
@@ -523,7 +521,9 @@ def centralize(dim: Dim = None, inverse_dims: bool = False, min_size: int = 2,
     def update_fn(updates, state, params=None):
         del params
         if dim != axes_lib.GLOBAL:
-            return jax.tree.map(one_leaf, updates), state
+            leaves, treedef = jax.tree.flatten(updates)
+            return treedef.unflatten([one_leaf(g, d) for g, d in zip(
+                leaves, axes_lib.leaf_dims(dim, updates))]), state
         leaves = [g for g in jax.tree.leaves(updates) if norms.is_float(g)]
         split = norms.split_axes(leaves, axis_name)
         total = norms.tree_sum([jnp.sum(g.astype(norms.acc_dtype(g.dtype))) for g in leaves],

@@ -424,18 +424,17 @@ def _lp_normalize(ord: float, state_cls: type, name: str, param_ndim: int | None
     checks.non_negative("eps", eps)
     _check_affine(grad_scale, grad_bias)
 
-    def leaf(g, axis_name):
+    def leaf(g):
         axes = _slice_axes(g, param_ndim)
         out, norm = _normalized(g, ord, axes, eps, norms.split_axes([g], axis_name)[0])
         return _affine(out.astype(g.dtype), grad_scale, grad_bias), jnp.squeeze(norm, axis=axes)
 
-    def apply(updates, axis_name=axis_name):
-        return norms.tree_unzip(lambda g: leaf(g, axis_name) if norms.is_float(g) else (g, None),
-                                updates, 2)
+    def apply(updates):
+        return norms.tree_unzip(lambda g: leaf(g) if norms.is_float(g) else (g, None), updates, 2)
 
     def init_fn(params):
         _check_param_ndim_on(params, param_ndim, name)
-        measured = stats_lib.zeros_like_params(lambda p: apply(p, None)[1], params)
+        measured = stats_lib.zeros_like_params(lambda p: apply(p)[1], params)
         return state_cls(measured, jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):

@@ -19,6 +19,7 @@ from tests.registry import ALL_ENTRIES, Entry
 NOT_TRANSFORMS = {
     "stats", "clip_grad_norm", "clip_grad_value", "normalize_grads",
     "max_clipping", "mean_clipping", "reciprocal_clipping", "ema_criterion", "zscore_criterion",
+    "flax_unit_axes",
 }
 STEPS = 3
 
@@ -237,20 +238,20 @@ def _auto_mesh():
     return jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
 
 
-def _shard_map_steps(tx, grads, specs):
+def _shard_map_steps(tx, params, grads, specs):
     """``STEPS`` updates inside ``shard_map``; returns each step's outputs and the last stats
     (declared replicated, so JAX checks that every device holds the same values)."""
-    def body(*steps):
-        state = tx.init(steps[0])
+    def body(params, *steps):
+        state = tx.init(params)
         outs = []
         for g in steps:
-            out, state = tx.update(g, state)
+            out, state = tx.update(g, state, params)
             outs.append(out)
         return outs, optclip.stats(state)
 
-    mapped = jax.shard_map(body, mesh=_auto_mesh(), in_specs=(specs,) * len(grads),
+    mapped = jax.shard_map(body, mesh=_auto_mesh(), in_specs=(specs,) * (1 + len(grads)),
                            out_specs=([specs] * len(grads), PartitionSpec()))
-    return jax.jit(mapped)(*grads)
+    return jax.jit(mapped)(params, *grads)
 
 
 @axis_entries
@@ -258,9 +259,10 @@ def test_shard_map_with_axis_name_matches_the_unsharded_run(entry):
     """"w" split 8 ways along axis 0, "b" replicated (counted once): same outputs and stats."""
     grads = _grads(entry)
     specs = {"w": PartitionSpec("x"), "b": PartitionSpec()}
-    outs, logged = _shard_map_steps(entry.axis_make("x"), grads, specs)
+    params = _params(entry)
+    outs, logged = _shard_map_steps(entry.axis_make("x"), params, grads, specs)
     plain = entry.axis_make(None)
-    expected_outs, state = _run(jax.jit(plain.update), plain.init(grads[0]), grads, None)
+    expected_outs, state = _run(jax.jit(plain.update), plain.init(params), grads, params)
     chex.assert_trees_all_close(outs, expected_outs, rtol=1e-5, atol=1e-6)
     expected = optclip.stats(state)
     assert logged.keys() == expected.keys()
@@ -270,7 +272,7 @@ def test_shard_map_with_axis_name_matches_the_unsharded_run(entry):
 @pytest.mark.parametrize("entry", [e for e in ALL_ENTRIES if e.ones_norm is not None], ids=str)
 def test_shard_map_ones_clipped_by_their_global_norm(entry):
     """``ones(8, 4)`` split 8 ways: the global norm is sqrt(32), not each shard's 2."""
-    outs, logged = _shard_map_steps(entry.axis_make("x"), [jnp.ones((8, 4))],
+    outs, logged = _shard_map_steps(entry.axis_make("x"), jnp.ones((8, 4)), [jnp.ones((8, 4))],
                                     PartitionSpec("x"))
     np.testing.assert_allclose(float(optax.tree.norm(outs[0])), entry.ones_norm, rtol=1e-5)
     norms = [v for k, v in logged.items() if k.endswith(("/norm", "/norm_max"))]

@@ -96,11 +96,17 @@ def split_axes(leaves: list, axis_name: AxisName) -> list[tuple[str, ...]]:
     ``check_vma=True``), a leaf that does not vary over a named axis (a replicated bias, say)
     holds the same elements on every device and is counted once. Where it does not track
     (``pmap``, ``check_vma=False``) every leaf is taken to be split over all named axes.
+    Outside ``shard_map``/``pmap`` (axis names unbound, e.g. ``init`` called on the global
+    arrays) nothing is split.
     """
     if axis_name is None:
         return [()] * len(leaves)
     names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    if not _varying(jax.lax.axis_index(names)):
+    try:
+        index = jax.lax.axis_index(names)
+    except NameError:  # not inside shard_map/pmap: the arrays are whole
+        return [()] * len(leaves)
+    if not _varying(index):
         return [names] * len(leaves)
     return [tuple(n for n in names if n in _varying(x)) for x in leaves]
 
@@ -122,7 +128,8 @@ def across(value: jax.Array, kind: str, split: tuple[str, ...]) -> jax.Array:
 
 
 def _flag_across(flag: jax.Array, kind: str, axis_name: AxisName) -> jax.Array:
-    if axis_name is None:
+    split = split_axes([flag], axis_name)[0] if axis_name is not None else ()
+    if not split:
         return flag
     names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
     return across(flag.astype(jnp.int32), kind, names).astype(bool)
@@ -388,17 +395,19 @@ def scale_slices(
         factor = multiplier(norm)
         return jax.tree.map(lambda x: scale(x, factor), tree), norm
 
-    def one_leaf(x):
+    def one_leaf(x, leaf_dim):
         if not is_float(x):
             return x, None
-        axes = axes_lib.reduction_axes(x.ndim, dim, inverse_dims, param_ndim=param_ndim)
+        axes = axes_lib.reduction_axes(x.ndim, leaf_dim, inverse_dims, param_ndim=param_ndim)
         split = split_axes([x], axis_name)
         if axes is None or axes_lib.slice_size(x.shape, axes) * axes_size(split[0]) < min_size:
             return x, jnp.zeros((), acc_dtype(x.dtype))
         norm = slice_norm(x, ord, axes, split[0])
         return scale(x, multiplier(norm)), jnp.squeeze(norm, axis=axes)
 
-    return tree_unzip(one_leaf, tree, 2)
+    leaves, treedef = jax.tree.flatten(tree)
+    results = [one_leaf(x, d) for x, d in zip(leaves, axes_lib.leaf_dims(dim, tree))]
+    return tuple(treedef.unflatten([r[i] for r in results]) for i in range(2))
 
 
 def tree_unzip(fn: Callable[[Any], tuple], tree: Any, n: int) -> tuple[Any, ...]:
