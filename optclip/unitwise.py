@@ -27,13 +27,12 @@ __all__ = ["AdaptiveGradClipState", "adaptive_grad_clip", "flax_unit_axes"]
 
 
 def _last_key(path: tuple) -> str:
-    """The name of a leaf: the last dict key / attribute / flax NNX path entry of ``path``."""
-    for entry in reversed(path):
-        for attribute in ("key", "name"):
-            value = getattr(entry, attribute, None)
-            if isinstance(value, str):
-                return value
-    return ""
+    """The name of a leaf: the last dict key or attribute of ``path``, past the ``.value``
+    attribute that ``flax.nnx`` variables add at the end."""
+    names = [getattr(entry, "key", getattr(entry, "name", None)) for entry in path]
+    if len(path) > 1 and isinstance(path[-1], jax.tree_util.GetAttrKey) and names[-1] == "value":
+        names = names[:-1]
+    return names[-1] if names and isinstance(names[-1], str) else ""
 
 
 def flax_unit_axes(stacked: int | Callable[[tuple], int] = 0
