@@ -161,3 +161,54 @@ def test_global_clippers_exchange_only_scalars(make):
     for shape in found["all-reduce"]:
         assert all(part.strip().endswith("[]") or "[]" in part for part in shape.split(",")), (
             shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Two processes x 4 CPU devices (jax.distributed on localhost, gloo collectives).
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_processes_match_the_single_process_run(tmp_path):
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    from tests import distributed_worker as worker
+
+    if not hasattr(jax.config, "jax_cpu_collectives_implementation"):
+        pytest.skip("this jax has no CPU cross-process collectives (gloo)")
+    out = tmp_path / "results.npz"
+    port = str(_free_port())
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    env.pop("XLA_FLAGS", None)
+    procs = [subprocess.Popen([sys.executable, str(root / "tests" / "distributed_worker.py"),
+                               port, str(i), str(out)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    logs = []
+    try:
+        for proc in procs:
+            logs.append(proc.communicate(timeout=180)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    if any("gloo" in log.lower() and "not" in log.lower() and proc.returncode
+           for log, proc in zip(logs, procs)):
+        pytest.skip(f"no gloo cross-process collectives on this platform: {logs[0][-500:]}")
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+
+    mesh = _mesh((8,), ("x",), "auto")
+    expected = worker.run(mesh, lambda tree: jax.tree.map(
+        lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, worker.SPECS))
+    got = dict(np.load(out))
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        np.testing.assert_allclose(got[key], np.asarray(value), rtol=1e-5, atol=1e-6,
+                                   err_msg=key)
