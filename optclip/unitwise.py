@@ -35,7 +35,7 @@ def _last_key(path: tuple) -> str:
     return names[-1] if names and isinstance(names[-1], str) else ""
 
 
-def flax_unit_axes(stacked: int | Callable[[tuple], int] = 0
+def flax_unit_axes(stacked: int | Callable[[tuple], int] = 0, *, vectors: bool = True
                    ) -> Callable[[tuple, Any], tuple[int, ...]]:
     """The unit axes of Flax parameters, as a callable ``(path, leaf) -> axes`` for ``dim``.
 
@@ -47,7 +47,9 @@ def flax_unit_axes(stacked: int | Callable[[tuple], int] = 0
     * ``embedding`` leaves: the last (feature) axis, one unit per row;
     * other leaves of rank 2 or more (kernels): every axis but the last (``(in, out)`` -> ``(0,)``,
       ``(H, W, in, out)`` -> ``(0, 1, 2)``, ``(W, in, out)`` -> ``(0, 1)``);
-    * leaves of rank 0 or 1 (biases, scales): the whole leaf.
+    * leaves of rank 0 or 1 (biases, scales): the whole leaf, or no axes with
+      ``vectors=False`` (a per-slice transform then leaves them alone: gradient
+      centralization touches weights only).
 
     A ``LinearGeneral`` kernel ``(in, heads, head_dim)`` is not told apart from a 1-D
     convolution: give its axes yourself (``dim`` also takes a pytree of axes).
@@ -56,6 +58,7 @@ def flax_unit_axes(stacked: int | Callable[[tuple], int] = 0
       stacked: leading axes that index layers rather than weights (``nn.scan`` /
         ``nnx.scan`` stacks store ``(L, in, out)``): never reduced over. An int for every leaf,
         or a callable ``path -> int`` (e.g. ``lambda path: 1 if "layers" in str(path) else 0``).
+      vectors: ``True``: a bias or scale is one unit; ``False``: it has no unit axes.
 
     Returns:
       A callable for the ``dim`` argument of :func:`adaptive_grad_clip`, :func:`clip_norm`,
@@ -68,20 +71,23 @@ def flax_unit_axes(stacked: int | Callable[[tuple], int] = 0
       >>> params = {"Dense_0": {"kernel": jnp.ones((3, 4)), "bias": jnp.ones(4)},
       ...           "layers": {"kernel": jnp.ones((6, 3, 4))}}
       >>> tx = optclip.centralize(dim=optclip.flax_unit_axes(
-      ...     stacked=lambda path: 1 if "layers" in str(path) else 0))
+      ...     stacked=lambda path: 1 if "layers" in str(path) else 0, vectors=False))
       >>> out, _ = tx.update(params, tx.init(params))
       >>> float(abs(out["layers"]["kernel"]).max())   # each layer's columns are constant
       0.0
+      >>> out["Dense_0"]["bias"].tolist()              # biases untouched
+      [1.0, 1.0, 1.0, 1.0]
     """
     if not callable(stacked):
         checks.integer("stacked", stacked, low=0)
+    checks.boolean("vectors", vectors)
 
     def unit_axes(path: tuple, leaf: Any) -> tuple[int, ...]:
         lead = stacked(path) if callable(stacked) else stacked
         ndim = getattr(leaf, "ndim", 0)
         rank = ndim - lead
         if rank <= 1:
-            return tuple(range(lead, ndim))
+            return tuple(range(lead, ndim)) if vectors else ()
         if _last_key(path) == "embedding":
             return (ndim - 1,)
         return tuple(range(lead, ndim - 1))
@@ -152,8 +158,8 @@ def adaptive_grad_clip(
       >>> tx = optclip.adaptive_grad_clip(0.1)
       >>> params = {"kernel": jnp.ones((4, 2))}            # unit weight norms: 2
       >>> grads = {"kernel": jnp.array([[3.0, 0.0]] * 4)}   # unit gradient norms: 6 and 0
-      >>> tx.update(grads, tx.init(params), params)[0]["kernel"][0].tolist()
-      [0.10000000149011612, 0.0]
+      >>> tx.update(grads, tx.init(params), params)[0]["kernel"][0].round(4).tolist()
+      [0.1, 0.0]
     """
     checks.positive("clipping", clipping, allow_schedule=True)
     checks.positive("eps", eps)

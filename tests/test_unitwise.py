@@ -156,6 +156,10 @@ def test_centralize_with_flax_unit_axes_centres_each_output_unit():
     np.testing.assert_allclose(out["Dense_0"]["kernel"].mean(axis=0), 0, atol=1e-6)
     assert float(jnp.abs(out["Dense_0"]["kernel"].mean(axis=1)).max()) > 1  # rows untouched
     np.testing.assert_allclose(out["Dense_0"]["bias"], params["Dense_0"]["bias"] - 1.5)
+    tx = optclip.centralize(dim=optclip.flax_unit_axes(vectors=False))
+    out, _ = tx.update(params, tx.init(params))
+    np.testing.assert_allclose(out["Dense_0"]["kernel"].mean(axis=0), 0, atol=1e-6)
+    np.testing.assert_array_equal(out["Dense_0"]["bias"], params["Dense_0"]["bias"])
 
 
 @pytest.mark.parametrize("dim", [
