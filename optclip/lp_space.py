@@ -165,10 +165,11 @@ def _check_q(q: Any, dq: Any, seed: Any) -> None:
 
 def _check_param_ndim_on(tree: Any, param_ndim: int | None, name: str) -> None:
     """At ``init``: every float leaf must accept ``param_ndim`` (spec §1.1; §6 D12, D13)."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    per_leaf = axes_lib.leaf_param_ndims(param_ndim, tree)
+    for (path, leaf), leaf_ndim in zip(jax.tree_util.tree_flatten_with_path(tree)[0], per_leaf):
         if norms.is_float(leaf):
             try:
-                axes_lib.reduction_axes(leaf.ndim, param_ndim=param_ndim)
+                axes_lib.reduction_axes(leaf.ndim, param_ndim=leaf_ndim)
             except ValueError as error:
                 raise ValueError(f"{name}: leaf {jax.tree_util.keystr(path) or '<root>'} of "
                                  f"shape {tuple(leaf.shape)}: {error}") from None
@@ -176,6 +177,13 @@ def _check_param_ndim_on(tree: Any, param_ndim: int | None, name: str) -> None:
 
 def _slice_axes(x: jax.Array, param_ndim: int | None) -> tuple[int, ...]:
     return axes_lib.reduction_axes(x.ndim, param_ndim=param_ndim)
+
+
+def _leaf_axes(leaves: list, tree: Any, param_ndim: Any) -> list:
+    """Slice axes of every leaf of ``tree`` (``None`` for non-float leaves); ``param_ndim``
+    may be per leaf (a pytree matching the parameters or a callable ``(path, leaf) -> k``)."""
+    return [_slice_axes(x, k) if norms.is_float(x) else None
+            for x, k in zip(leaves, axes_lib.leaf_param_ndims(param_ndim, tree), strict=True)]
 
 
 def _per_leaf(fn, tree: Any) -> Any:
@@ -348,11 +356,12 @@ class _DropFraction:
         k = _per_leaf(lambda x: jnp.zeros((), jnp.int32), params)
         return key, q, k
 
-    def draw(self, key: jax.Array, leaves: list, axes_of) -> tuple[jax.Array, list, list]:
-        """``(new key, q per leaf, k per leaf)`` for flattened ``leaves`` (``None`` for non-float
-        leaves); ``k`` holds Python ints when ``q`` is static."""
+    def draw(self, key: jax.Array, leaves: list, axes_of: list) -> tuple[jax.Array, list, list]:
+        """``(new key, q per leaf, k per leaf)`` for flattened ``leaves`` with slice axes
+        ``axes_of`` (``None`` for non-float leaves); ``k`` holds Python ints when ``q`` is
+        static."""
         floats = [i for i, x in enumerate(leaves) if norms.is_float(x)]
-        sizes = {i: axes_lib.slice_size(leaves[i].shape, axes_of(leaves[i])) for i in floats}
+        sizes = {i: axes_lib.slice_size(leaves[i].shape, axes_of[i]) for i in floats}
         q_of: list[Any] = [None] * len(leaves)
         k_of: list[Any] = [None] * len(leaves)
         if self.static:
@@ -419,18 +428,20 @@ def sign(grad_scale: float = 1.0, grad_bias: float = 0.0) -> optax.GradientTrans
 def _lp_normalize(ord: float, state_cls: type, name: str, param_ndim: int | None, eps: Any,
                   grad_scale: Any, grad_bias: Any, axis_name: norms.AxisName
                   ) -> optax.GradientTransformation:
-    axes_lib.check_param_ndim(param_ndim)
+    axes_lib.check_param_ndim_spec(param_ndim)
     norms.check_axis_name(axis_name)
     checks.non_negative("eps", eps)
     _check_affine(grad_scale, grad_bias)
 
-    def leaf(g):
-        axes = _slice_axes(g, param_ndim)
+    def leaf(g, axes):
         out, norm = _normalized(g, ord, axes, eps, norms.split_axes([g], axis_name)[0])
         return _affine(out.astype(g.dtype), grad_scale, grad_bias), jnp.squeeze(norm, axis=axes)
 
     def apply(updates):
-        return norms.tree_unzip(lambda g: leaf(g) if norms.is_float(g) else (g, None), updates, 2)
+        leaves, treedef = jax.tree.flatten(updates)
+        results = [leaf(g, axes) if norms.is_float(g) else (g, None)
+                   for g, axes in zip(leaves, _leaf_axes(leaves, updates, param_ndim))]
+        return tuple(treedef.unflatten([r[i] for r in results]) for i in range(2))
 
     def init_fn(params):
         _check_param_ndim_on(params, param_ndim, name)
@@ -523,11 +534,10 @@ def _top_q_family(name: str, state_cls: type, q: Any, dq: Any, param_ndim: int |
                   seed: int, leaf_fn, grad_scale: Any, grad_bias: Any
                   ) -> optax.GradientTransformation:
     """Shared body of ``top_q`` and ``l1q_normalize``: ``leaf_fn(g, axes, k)``."""
-    axes_lib.check_param_ndim(param_ndim)
+    axes_lib.check_param_ndim_spec(param_ndim)
     _check_q(q, dq, seed)
     _check_affine(grad_scale, grad_bias)
     fraction = _DropFraction(q, dq, seed)
-    axes_of = lambda g: _slice_axes(g, param_ndim)
 
     def init_fn(params):
         _check_param_ndim_on(params, param_ndim, name)
@@ -536,9 +546,11 @@ def _top_q_family(name: str, state_cls: type, q: Any, dq: Any, param_ndim: int |
     def update_fn(updates, state, params=None):
         del params
         leaves, treedef = jax.tree.flatten(updates)
+        axes_of = _leaf_axes(leaves, updates, param_ndim)
         key, q_of, k_of = fraction.draw(state.key, leaves, axes_of)
-        new_leaves = [_affine(leaf_fn(g, axes_of(g), k), grad_scale, grad_bias)
-                      if norms.is_float(g) else g for g, k in zip(leaves, k_of, strict=True)]
+        new_leaves = [_affine(leaf_fn(g, axes, k), grad_scale, grad_bias)
+                      if norms.is_float(g) else g
+                      for g, axes, k in zip(leaves, axes_of, k_of, strict=True)]
         finite = stats_lib.all_finite(updates)
         new_state = state_cls(key, treedef.unflatten(q_of), treedef.unflatten(_k_arrays(k_of)),
                               state.nonfinite)
@@ -897,7 +909,6 @@ def _frank_wolfe(name: str, lmo, scaling: Any, learning_rate: Any, schedule: boo
                  fw_eps: Any, param_ndim: int | None, fraction: _DropFraction | None
                  ) -> optax.GradientTransformation:
     """Frank-Wolfe with ``direction = lmo(g, axes, k)``; ``fraction`` for the L1q LMO only."""
-    axes_of = lambda g: _slice_axes(g, param_ndim)
 
     def init_fn(params):
         _check_param_ndim_on(params, param_ndim, name)
@@ -912,6 +923,7 @@ def _frank_wolfe(name: str, lmo, scaling: Any, learning_rate: Any, schedule: boo
                                        norms.stat_dtype())
         leaves, treedef = jax.tree.flatten(updates)
         param_leaves = treedef.flatten_up_to(params)
+        axes_of = _leaf_axes(leaves, updates, param_ndim)
         finite = stats_lib.all_finite(updates)
         if fraction is None:
             k_of = [None] * len(leaves)
@@ -922,9 +934,9 @@ def _frank_wolfe(name: str, lmo, scaling: Any, learning_rate: Any, schedule: boo
             new_state = L1qFrankWolfeState(
                 optax.safe_increment(state.count), alpha, key, treedef.unflatten(q_of),
                 treedef.unflatten(_k_arrays(k_of)), state.nonfinite)
-        new_leaves = [_fw_step(p, lmo(g, axes_of(g), k), a, b).astype(g.dtype)
+        new_leaves = [_fw_step(p, lmo(g, axes, k), a, b).astype(g.dtype)
                       if norms.is_float(g) else g
-                      for g, k, p in zip(leaves, k_of, param_leaves, strict=True)]
+                      for g, axes, k, p in zip(leaves, axes_of, k_of, param_leaves, strict=True)]
         new_state = stats_lib.keep_if(finite, new_state, state)
         return treedef.unflatten(new_leaves), new_state._replace(
             nonfinite=stats_lib.count_nonfinite(state.nonfinite, finite))
@@ -983,7 +995,7 @@ def _fw_family(name: str, lmo, epsilon, learning_rate, use_default_lr_schedule, 
                ) -> optax.GradientTransformation:
     checks.non_negative("epsilon", epsilon)
     _check_fw(learning_rate, use_default_lr_schedule, eps)
-    axes_lib.check_param_ndim(param_ndim)
+    axes_lib.check_param_ndim_spec(param_ndim)
     return _frank_wolfe(name, lmo, epsilon, learning_rate, use_default_lr_schedule,
                         eps if eps_to_fw else TINY, param_ndim, fraction)
 

@@ -188,3 +188,25 @@ def test_per_leaf_dim_that_does_not_match_the_tree_is_a_clear_error():
     tx = optclip.clip_norm(1.0, dim={"nope": 0})
     with pytest.raises(ValueError, match="per-leaf dim"):
         tx.init({"a": jnp.ones(3)})
+
+
+@pytest.mark.parametrize("make", [
+    lambda pn: optclip.l2_normalize(param_ndim=pn),
+    lambda pn: optclip.top_q(0.5, param_ndim=pn),
+], ids=["l2_normalize", "top_q"])
+def test_lp_space_with_per_leaf_param_ndim(make):
+    """Each leaf with its own ``param_ndim`` equals that leaf run on its own."""
+    rng = np.random.default_rng(0)
+    g = {"conv": jnp.asarray(rng.normal(size=(2, 3, 4)), jnp.float32),
+         "dense": jnp.asarray(rng.normal(size=(3, 4)), jnp.float32)}
+    per_leaf = {"conv": -1, "dense": None}
+    for spec in (per_leaf, lambda path, x: per_leaf[path[0].key]):
+        tx = make(spec)
+        out, _ = tx.update(g, tx.init(g))
+        for name, k in per_leaf.items():
+            alone = make(k)
+            np.testing.assert_allclose(out[name], alone.update(g[name], alone.init(g[name]))[0],
+                                       rtol=1e-6, err_msg=name)
+    with pytest.raises(ValueError, match="param_ndim"):
+        tx = make({"conv": 5, "dense": None})
+        tx.update(g, tx.init(g))

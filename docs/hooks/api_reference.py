@@ -23,6 +23,7 @@ SECTIONS = {  # module -> heading, in page order
     "optclip.growth": "Growth limiters (`growth.py`)",
     "optclip.history": "History-based adaptive clipping (`history.py`)",
     "optclip.lp_space": "Lp-space gradient transforms (`lp_space.py`)",
+    "optclip.unitwise": "Unit-wise clipping and Flax unit axes (`unitwise.py`)",
 }
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from optclip._core import checks
@@ -46,23 +46,38 @@ def leaf_dims(dim: Any, tree: Any) -> list:
     ``dim`` is one value for all leaves, a callable ``(path, leaf) -> dim`` or a pytree whose
     structure is a prefix of ``tree``'s (a value there applies to every leaf below it).
     """
+    return _per_leaf_values(dim, tree, "dim", lambda d: check_dim(d, allow_global=False))
+
+
+def leaf_param_ndims(param_ndim: Any, tree: Any) -> list:
+    """The ``param_ndim`` of every leaf of ``tree``, per-leaf spellings as in :func:`leaf_dims`."""
+    return _per_leaf_values(param_ndim, tree, "param_ndim", check_param_ndim)
+
+
+def check_param_ndim_spec(param_ndim: Any) -> None:
+    """Construction-time validation of ``param_ndim``: an int, ``None``, or per leaf."""
+    if not is_per_leaf(param_ndim):
+        check_param_ndim(param_ndim)
+
+
+def _per_leaf_values(spec: Any, tree: Any, name: str, check: Callable[[Any], None]) -> list:
     import jax  # local: axes.py stays importable without initialising jax
 
-    if not is_per_leaf(dim):
-        return [dim] * len(jax.tree.leaves(tree))
-    if callable(dim):
-        resolved = [dim(path, leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
+    if not is_per_leaf(spec):
+        return [spec] * len(jax.tree.leaves(tree))
+    if callable(spec):
+        resolved = [spec(path, leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
     else:
         try:
             per_subtree = jax.tree.map(lambda d, sub: [d] * len(jax.tree.leaves(sub)),
-                                       dim, tree, is_leaf=_is_dim_value)
+                                       spec, tree, is_leaf=_is_dim_value)
         except ValueError as error:
-            raise ValueError(f"a per-leaf dim must be a pytree matching the parameters (or a "
-                             f"prefix of them): {error}") from None
+            raise ValueError(f"a per-leaf {name} must be a pytree matching the parameters (or "
+                             f"a prefix of them): {error}") from None
         resolved = [d for ds in jax.tree.leaves(per_subtree, is_leaf=lambda v: isinstance(
             v, list)) for d in ds]
     for d in resolved:
-        check_dim(d, allow_global=False)
+        check(d)
     return resolved
 
 
