@@ -31,8 +31,9 @@ def _is_dim_value(value: Any) -> bool:
     """A single ``dim`` (``None``, an int, ``'global'`` or a sequence of ints), not a tree."""
     if value is None or isinstance(value, (numbers.Integral, str)):
         return True
-    return isinstance(value, (tuple, list)) and all(
-        isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in value)
+    # A sequence of numbers is one (possibly invalid) dim, validated as such; a sequence
+    # holding anything else (None, tuples, dicts) is a per-leaf tree.
+    return isinstance(value, (tuple, list)) and all(isinstance(v, numbers.Number) for v in value)
 
 
 def is_per_leaf(dim: Any) -> bool:
