@@ -212,3 +212,14 @@ def test_two_processes_match_the_single_process_run(tmp_path):
     for key, value in expected.items():
         np.testing.assert_allclose(got[key], np.asarray(value), rtol=1e-5, atol=1e-6,
                                    err_msg=key)
+
+
+def test_axis_name_outside_shard_map_changes_nothing():
+    """Unbound axis names (global arrays, e.g. init before shard_map): nothing to combine."""
+    g = {"w": jnp.arange(12.0).reshape(3, 4), "b": jnp.ones(4)}
+    for make in (lambda a: optclip.clip_by_global_norm(1.0, axis_name=a),
+                 lambda a: optclip.clip_norm_by_ema(beta=0.5, axis_name=a)):
+        with_axis, without = make("x"), make(None)
+        got = jax.jit(with_axis.update)(g, with_axis.init(g))
+        expected = without.update(g, without.init(g))
+        chex.assert_trees_all_close(got, expected, rtol=1e-6)
