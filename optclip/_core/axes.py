@@ -29,7 +29,7 @@ _UNSET = object()
 
 def _is_dim_value(value: Any) -> bool:
     """A single ``dim`` (``None``, an int, ``'global'`` or a sequence of ints), not a tree."""
-    if value is None or isinstance(value, (numbers.Integral, str)):
+    if value is None or isinstance(value, (numbers.Number, str)):
         return True
     # A sequence of numbers is one (possibly invalid) dim, validated as such; a sequence
     # holding anything else (None, tuples, dicts) is a per-leaf tree.
