@@ -8,8 +8,6 @@ and ``optclip.stats(opt_state)`` returns what a training loop wants to log.
 """
 
 from optclip._core.stats import stats
-
-# spike protection (issue 11)
 from optclip.adagc import adagc
 from optclip.clipping import (
     centralize,
@@ -22,14 +20,8 @@ from optclip.clipping import (
     normalize_grads,
     zscore_normalize,
 )
-
-# family: ema
 from optclip.ema import clip_norm_by_ema, clip_value_by_ema, normalize_by_ema
-
-# family: growth
 from optclip.growth import clip_norm_growth, clip_value_growth
-
-# family: history
 from optclip.history import (
     ema_criterion,
     hist_clip,
@@ -42,8 +34,6 @@ from optclip.history import (
     zclip,
     zscore_criterion,
 )
-
-# family: lp_space
 from optclip.lp_space import (
     clamp,
     clamp_params,
@@ -60,10 +50,9 @@ from optclip.lp_space import (
     sign,
     top_q,
 )
-
-# spike protection (issue 11)
 from optclip.moment_clip import adamw_clip, spam_clip, stable_adamw_clip
 from optclip.skip_spikes import skip_spikes
+from optclip.unitwise import adaptive_grad_clip, flax_unit_axes
 
 __version__ = "0.1.0"
 
@@ -118,4 +107,7 @@ __all__ = [
     "skip_spikes",
     "spam_clip",
     "stable_adamw_clip",
+    # unitwise.py
+    "adaptive_grad_clip",
+    "flax_unit_axes",
 ]

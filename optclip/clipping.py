@@ -22,7 +22,7 @@ from optclip._core import checks, norms
 from optclip._core import stats as stats_lib
 from optclip._core.axes import Dim
 from optclip._core.checks import ScalarOrSchedule
-from optclip._core.norms import Ord
+from optclip._core.norms import AxisName, Ord
 
 __all__ = [
     "ClipNormState", "ClipValueState", "GlobalClipState", "GlobalNormalizeState", "NormalizeState",
@@ -71,12 +71,14 @@ class GlobalNormalizeState(NamedTuple):
     nonfinite: jax.Array
 
 
-def _count_nonfinite(nonfinite: jax.Array, measured: Any) -> jax.Array:
-    return stats_lib.count_nonfinite(nonfinite, stats_lib.all_finite(measured))
+def _count_nonfinite(nonfinite: jax.Array, measured: Any, axis_name=None) -> jax.Array:
+    return stats_lib.count_nonfinite(nonfinite, stats_lib.all_finite(measured, axis_name))
 
 
-def _check_slices(ord: Ord, dim: Dim, inverse_dims: bool, min_size: int) -> float | str:
-    axes_lib.check_dim(dim)
+def _check_slices(ord: Ord, dim: Dim, inverse_dims: bool, min_size: int,
+                  axis_name: AxisName = None) -> float | str:
+    norms.check_axis_name(axis_name)
+    axes_lib.check_dim(dim, allow_per_leaf=True)
     checks.boolean("inverse_dims", inverse_dims)
     checks.integer("min_size", min_size, low=0)
     return norms.canonical_ord(ord)
@@ -115,7 +117,7 @@ def _clamp(g: jax.Array, value) -> jax.Array:
     return jnp.clip(g, -bound, bound)
 
 
-def _clip_grad_norm(grads, max_norm, ord, dim, inverse_dims, min_size, min_norm):
+def _clip_grad_norm(grads, max_norm, ord, dim, inverse_dims, min_size, min_norm, axis_name=None):
     """Returns ``(clipped tree, norms)``; shared by the helper and ``clip_norm``."""
     def multiplier(norm):
         hi = (norms.clip_multiplier(norm, jnp.asarray(max_norm, norm.dtype))
@@ -128,7 +130,7 @@ def _clip_grad_norm(grads, max_norm, ord, dim, inverse_dims, min_size, min_norm)
         return hi * jnp.where(grow, lo / jnp.where(grow, norm, 1), 1)
 
     return norms.scale_slices(grads, ord, multiplier, dim=dim, inverse_dims=inverse_dims,
-                              min_size=min_size)
+                              min_size=min_size, axis_name=axis_name)
 
 
 def clip_grad_norm(
@@ -139,6 +141,7 @@ def clip_grad_norm(
     inverse_dims: bool = False,
     min_size: int = 2,
     min_norm: float | None = None,
+    axis_name: AxisName = None,
 ) -> Any:
     """Clip each slice's norm into ``[min_norm, max_norm]``; returns a new tree.
 
@@ -154,6 +157,8 @@ def clip_grad_norm(
         ``'var'``, ``'sum'``).
       dim, inverse_dims, min_size: which axes form a slice (``optclip`` axes vocabulary).
       min_norm: lower bound (``> 0``): smaller slices are scaled up to it; ``None`` for none.
+      axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) the reduced axes are
+        split over; partial norms are combined across devices with ``psum``.
 
     Returns:
       The clipped tree (each leaf keeps its dtype).
@@ -166,19 +171,20 @@ def clip_grad_norm(
       >>> optclip.clip_grad_norm([jnp.array([3.0, 4.0])], 1.0)[0].tolist()
       [0.6000000238418579, 0.800000011920929]
     """
-    ord = _check_slices(ord, dim, inverse_dims, min_size)
+    ord = _check_slices(ord, dim, inverse_dims, min_size, axis_name)
     checks.positive("max_norm", max_norm, allow_none=True)
     checks.positive("min_norm", min_norm, allow_none=True)
-    return _clip_grad_norm(grads, max_norm, ord, dim, inverse_dims, min_size, min_norm)[0]
+    return _clip_grad_norm(grads, max_norm, ord, dim, inverse_dims, min_size, min_norm,
+                           axis_name)[0]
 
 
-def _normalized(grads, norm_value, ord, dim, inverse_dims, min_size, eps):
+def _normalized(grads, norm_value, ord, dim, inverse_dims, min_size, eps, axis_name=None):
     """Returns ``(normalized tree, norms)``; shared by the helper and ``normalize``."""
     def multiplier(norm):
         return norms.normalize_multiplier(norm, jnp.asarray(norm_value, norm.dtype), eps)
 
     return norms.scale_slices(grads, ord, multiplier, dim=dim, inverse_dims=inverse_dims,
-                              min_size=min_size)
+                              min_size=min_size, axis_name=axis_name)
 
 
 def normalize_grads(
@@ -188,6 +194,7 @@ def normalize_grads(
     dim: Dim = None,
     inverse_dims: bool = False,
     min_size: int = 1,
+    axis_name: AxisName = None,
 ) -> Any:
     """Scale each slice to norm ``norm_value``; returns a new tree.
 
@@ -197,7 +204,7 @@ def normalize_grads(
     Args:
       grads: a pytree of arrays.
       norm_value: the target norm, ``> 0``.
-      ord, dim, inverse_dims, min_size: as in :func:`clip_grad_norm`.
+      ord, dim, inverse_dims, min_size, axis_name: as in :func:`clip_grad_norm`.
 
     Returns:
       The normalized tree (each leaf keeps its dtype).
@@ -210,21 +217,24 @@ def normalize_grads(
       >>> optclip.normalize_grads([jnp.array([3.0, 4.0])], 2.0)[0].tolist()
       [1.2000000476837158, 1.600000023841858]
     """
-    ord = _check_slices(ord, dim, inverse_dims, min_size)
+    ord = _check_slices(ord, dim, inverse_dims, min_size, axis_name)
     checks.positive("norm_value", norm_value)
-    return _normalized(grads, norm_value, ord, dim, inverse_dims, min_size, None)[0]
+    return _normalized(grads, norm_value, ord, dim, inverse_dims, min_size, None, axis_name)[0]
 
 
 # ---------------------------------------------------------------------------------------------
 # Transforms.
 
-def clip_value(value: ScalarOrSchedule) -> optax.GradientTransformation:
+def clip_value(value: ScalarOrSchedule, axis_name: AxisName = None
+               ) -> optax.GradientTransformation:
     """Clamp every element of the updates to ``[-value, value]``.
 
     ``g <- min(max(g, -value), value)``; NaN stays NaN.
 
     Args:
       value: the bound, ``> 0``, or a schedule ``count -> value``.
+      axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) the leaves are split over:
+        the logged per-leaf ``max_abs`` is then the maximum over all devices.
 
     Returns:
       An ``optax.GradientTransformation``. Its state logs, per leaf, the largest ``|g|`` seen
@@ -242,13 +252,16 @@ def clip_value(value: ScalarOrSchedule) -> optax.GradientTransformation:
       [1.0, -1.0, 0.5]
     """
     checks.positive("value", value, allow_schedule=True)
+    norms.check_axis_name(axis_name)
 
     def max_abs(tree):
-        return jax.tree.map(lambda g: jnp.max(jnp.abs(g), initial=0).astype(
-            norms.acc_dtype(g.dtype)) if norms.is_float(g) else None, tree)
+        return jax.tree.map(lambda g: norms.leaf_norm(g, float("inf"), axis_name)
+                            if norms.is_float(g) else None, tree)
 
     def init_fn(params):
-        zeros = stats_lib.zeros_like_shapes(jax.eval_shape(max_abs, params))
+        zeros = stats_lib.zeros_like_params(
+            lambda p: jax.tree.map(lambda g: jnp.zeros((), norms.acc_dtype(g.dtype))
+                                   if norms.is_float(g) else None, p), params)
         return ClipValueState(jnp.zeros([], jnp.int32), zeros,
                               jax.tree.map(lambda z: jnp.zeros((), bool), zeros),
                               jnp.zeros([], jnp.int32))
@@ -261,13 +274,13 @@ def clip_value(value: ScalarOrSchedule) -> optax.GradientTransformation:
         clipped = jax.tree.map(lambda m: m > bound, measured)
         return new_updates, ClipValueState(
             optax.safe_increment(state.count), stats_lib.keep_finite(measured, state.max_abs),
-            clipped, _count_nonfinite(state.nonfinite, measured))
+            clipped, _count_nonfinite(state.nonfinite, measured, axis_name))
 
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def clip_by_global_norm(max_norm: ScalarOrSchedule = 1.0, ord: Ord = 2
-                        ) -> optax.GradientTransformation:
+def clip_by_global_norm(max_norm: ScalarOrSchedule = 1.0, ord: Ord = 2,
+                        axis_name: AxisName = None) -> optax.GradientTransformation:
     """Scale all updates by one factor so that their global norm is at most ``max_norm``.
 
     ``g <- g * min(1, max_norm / N)`` with ``N`` the metric of all leaves as one vector,
@@ -276,6 +289,10 @@ def clip_by_global_norm(max_norm: ScalarOrSchedule = 1.0, ord: Ord = 2
     Args:
       max_norm: the bound, ``> 0``, or a schedule ``count -> bound``.
       ord: the metric, as in :func:`clip_norm`.
+      axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) (a name or a tuple) the
+        leaves are split over: per-device partial sums are combined with ``psum`` (``pmax`` /
+        ``pmin`` for ``±inf``), so every device clips by the global norm and keeps the same
+        state. Not needed under ``jax.jit`` with sharded arrays.
 
     Returns:
       An ``optax.GradientTransformation`` whose state logs ``norm`` (pre-clip), ``scale``,
@@ -298,6 +315,7 @@ def clip_by_global_norm(max_norm: ScalarOrSchedule = 1.0, ord: Ord = 2
     """
     checks.positive("max_norm", max_norm, allow_schedule=True)
     ord = norms.canonical_ord(ord)
+    norms.check_axis_name(axis_name)
 
     def init_fn(params):
         del params
@@ -308,7 +326,7 @@ def clip_by_global_norm(max_norm: ScalarOrSchedule = 1.0, ord: Ord = 2
     def update_fn(updates, state, params=None):
         del params
         bound = checks.resolve(max_norm, state.count, norms.stat_dtype())
-        norm = norms.global_norm(updates, ord)
+        norm = norms.global_norm(updates, ord, axis_name)
         factor = norms.clip_multiplier(norm, bound.astype(norm.dtype))
         new_updates = jax.tree.map(lambda g: norms.scale(g, factor), updates)
         norm = norm.astype(state.norm.dtype)
@@ -326,6 +344,7 @@ def clip_norm(
     dim: Dim = None,
     inverse_dims: bool = False,
     min_size: int = 1,
+    axis_name: AxisName = None,
 ) -> optax.GradientTransformation:
     """Clip the norm of every slice of every leaf to at most ``max_norm``.
 
@@ -341,6 +360,10 @@ def clip_norm(
         (negative allowed; axes beyond a leaf's rank ignored) or ``'global'``.
       inverse_dims: reduce over the complement of ``dim`` instead.
       min_size: slices with fewer elements are left alone.
+      axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) over which the reduced
+        axes of the leaves are split (with ``dim='global'`` or whole-leaf slices: the axes the
+        leaves are split over); partial norms are combined with ``psum``. Slices that lie
+        whole on each device need none.
 
     Returns:
       An ``optax.GradientTransformation`` whose state logs the per-slice pre-clip ``norm`` and
@@ -361,17 +384,17 @@ def clip_norm(
       [[1.2, 1.6], [0.3, 0.4]]
     """
     if dim == axes_lib.GLOBAL:
-        return clip_by_global_norm(max_norm, ord)
+        return clip_by_global_norm(max_norm, ord, axis_name)
     checks.positive("max_norm", max_norm, allow_schedule=True)
-    ord = _check_slices(ord, dim, inverse_dims, min_size)
+    ord = _check_slices(ord, dim, inverse_dims, min_size, axis_name)
 
     def measure(tree, bound):
-        return _clip_grad_norm(tree, bound, ord, dim, inverse_dims, min_size, None)
+        return _clip_grad_norm(tree, bound, ord, dim, inverse_dims, min_size, None, axis_name)
 
     def init_fn(params):
-        zeros = stats_lib.zeros_like_shapes(jax.eval_shape(lambda p: measure(p, 1.0)[1], params))
+        zeros = stats_lib.zeros_like_params(lambda p: measure(p, 1.0)[1], params)
         return ClipNormState(jnp.zeros([], jnp.int32), zeros,
-                             jax.tree.map(lambda z: jnp.zeros(z.shape, bool), zeros),
+                             jax.tree.map(lambda z: z > 0, zeros),
                              jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
@@ -381,7 +404,7 @@ def clip_norm(
         clipped = jax.tree.map(lambda n: n > bound.astype(n.dtype), measured)
         return new_updates, ClipNormState(
             optax.safe_increment(state.count), stats_lib.keep_finite(measured, state.norm),
-            clipped, _count_nonfinite(state.nonfinite, measured))
+            clipped, _count_nonfinite(state.nonfinite, measured, axis_name))
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -393,6 +416,7 @@ def normalize(
     inverse_dims: bool = False,
     min_size: int = 1,
     eps: float | None = None,
+    axis_name: AxisName = None,
 ) -> optax.GradientTransformation:
     """Scale every slice (or, with ``dim='global'``, all updates) to norm ``norm_value``.
 
@@ -404,6 +428,7 @@ def normalize(
       ord, dim, inverse_dims, min_size: as in :func:`clip_norm`.
       eps: ``None`` (torchzero) or a positive number added to the norm (drytorch
         ``GradParamNormalizer`` is ``normalize(1.0, eps=1e-8)``).
+      axis_name: as in :func:`clip_norm`.
 
     Returns:
       An ``optax.GradientTransformation`` whose state logs the measured ``norm`` (per slice).
@@ -422,15 +447,15 @@ def normalize(
     """
     checks.positive("norm_value", norm_value, allow_schedule=True)
     checks.positive("eps", eps, allow_none=True)
-    ord = _check_slices(ord, dim, inverse_dims, min_size)
+    ord = _check_slices(ord, dim, inverse_dims, min_size, axis_name)
 
     def measure(tree, target):
-        return _normalized(tree, target, ord, dim, inverse_dims, min_size, eps)
+        return _normalized(tree, target, ord, dim, inverse_dims, min_size, eps, axis_name)
 
     state_cls = GlobalNormalizeState if dim == axes_lib.GLOBAL else NormalizeState
 
     def init_fn(params):
-        zeros = stats_lib.zeros_like_shapes(jax.eval_shape(lambda p: measure(p, 1.0)[1], params))
+        zeros = stats_lib.zeros_like_params(lambda p: measure(p, 1.0)[1], params)
         return state_cls(jnp.zeros([], jnp.int32), zeros, jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
@@ -439,13 +464,13 @@ def normalize(
         new_updates, measured = measure(updates, target)
         return new_updates, state_cls(
             optax.safe_increment(state.count), stats_lib.keep_finite(measured, state.norm),
-            _count_nonfinite(state.nonfinite, measured))
+            _count_nonfinite(state.nonfinite, measured, axis_name))
 
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def centralize(dim: Dim = None, inverse_dims: bool = False, min_size: int = 2
-               ) -> optax.GradientTransformation:
+def centralize(dim: Dim = None, inverse_dims: bool = False, min_size: int = 2,
+               axis_name: AxisName = None) -> optax.GradientTransformation:
     """Subtract the mean of every slice (gradient centralization).
 
     ``g <- g - mean(g)`` over the slice's axes; with ``dim='global'`` the mean of all elements
@@ -456,6 +481,7 @@ def centralize(dim: Dim = None, inverse_dims: bool = False, min_size: int = 2
         single-element leaves such as scalars are untouched). Gradient centralization as in
         Yong et al. (2020) is ``centralize(dim=0, inverse_dims=True)``: one mean per output row,
         1-D biases untouched.
+      axis_name: as in :func:`clip_norm` (the means are combined across devices).
 
     Returns:
       An ``optax.GradientTransformation`` (no state).
@@ -471,34 +497,43 @@ def centralize(dim: Dim = None, inverse_dims: bool = False, min_size: int = 2
       >>> tx.update(g, tx.init(g))[0].tolist()
       [-2.0, -1.0, 3.0]
     """
-    axes_lib.check_dim(dim)
+    axes_lib.check_dim(dim, allow_per_leaf=True)
     checks.boolean("inverse_dims", inverse_dims)
     checks.integer("min_size", min_size, low=0)
+    norms.check_axis_name(axis_name)
 
     def centre(g, mean):
         return (g.astype(mean.dtype) - mean).astype(g.dtype)
 
-    def one_leaf(g):
+    def one_leaf(g, leaf_dim):
         if not norms.is_float(g):
             return g
-        axes = axes_lib.reduction_axes(g.ndim, dim, inverse_dims)
-        if axes is None or axes_lib.slice_size(g.shape, axes) < min_size:
+        axes = axes_lib.reduction_axes(g.ndim, leaf_dim, inverse_dims)
+        split = norms.split_axes([g], axis_name)[0]
+        if axes is None or axes_lib.slice_size(g.shape, axes) * norms.axes_size(split) < min_size:
             return g
-        return centre(g, jnp.mean(g.astype(norms.acc_dtype(g.dtype)), axis=axes, keepdims=True))
+        total = norms.across(jnp.sum(g.astype(norms.acc_dtype(g.dtype)), axis=axes,
+                                     keepdims=True), "sum", split)
+        return centre(g, total / (axes_lib.slice_size(g.shape, axes) * norms.axes_size(split)))
 
     def update_fn(updates, state, params=None):
         del params
         if dim != axes_lib.GLOBAL:
-            return jax.tree.map(one_leaf, updates), state
+            leaves, treedef = jax.tree.flatten(updates)
+            return treedef.unflatten([one_leaf(g, d) for g, d in zip(
+                leaves, axes_lib.leaf_dims(dim, updates))]), state
         leaves = [g for g in jax.tree.leaves(updates) if norms.is_float(g)]
-        total = norms.tree_sum([jnp.sum(g.astype(norms.acc_dtype(g.dtype))) for g in leaves])
-        mean = total / max(sum(g.size for g in leaves), 1)
+        split = norms.split_axes(leaves, axis_name)
+        total = norms.tree_sum([jnp.sum(g.astype(norms.acc_dtype(g.dtype))) for g in leaves],
+                               split)
+        mean = total / max(sum(g.size * norms.axes_size(a) for g, a in zip(leaves, split)), 1)
         return norms.float_map(lambda g: centre(g, mean), updates), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
-def zscore_normalize(eps: float = 1e-8) -> optax.GradientTransformation:
+def zscore_normalize(eps: float = 1e-8, axis_name: AxisName = None
+                     ) -> optax.GradientTransformation:
     """Standardise every leaf: ``g <- (g - mean(g)) / (std(g) + eps)``.
 
     ``std`` is the unbiased (ddof=1) standard deviation over all elements of the leaf. A leaf
@@ -506,6 +541,8 @@ def zscore_normalize(eps: float = 1e-8) -> optax.GradientTransformation:
 
     Args:
       eps: added to the std, ``> 0``.
+      axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) the leaves are split
+        over (mean and std are combined across devices).
 
     Returns:
       An ``optax.GradientTransformation`` (no state).
@@ -522,14 +559,18 @@ def zscore_normalize(eps: float = 1e-8) -> optax.GradientTransformation:
       [0.707107, -0.707107]
     """
     checks.positive("eps", eps)
+    norms.check_axis_name(axis_name)
 
     def one_leaf(g):
         if not norms.is_float(g) or g.size == 0:
             return g
         wide = g.astype(norms.acc_dtype(g.dtype))
-        mean = jnp.mean(wide)
+        split = norms.split_axes([g], axis_name)[0]
+        size = g.size * norms.axes_size(split)
+        mean = norms.across(jnp.sum(wide), "sum", split) / size
         # drytorch divides by an unbiased std of NaN here: use 0.
-        std = jnp.std(wide, ddof=1) if g.size > 1 else jnp.zeros((), wide.dtype)
+        std = (jnp.sqrt(norms.across(jnp.sum(jnp.square(wide - mean)), "sum", split)
+                        / (size - 1)) if size > 1 else jnp.zeros((), wide.dtype))
         return ((wide - mean) / (std + eps)).astype(g.dtype)
 
     def update_fn(updates, state, params=None):

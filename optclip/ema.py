@@ -21,7 +21,7 @@ import optax
 
 from optclip._core import checks, norms
 from optclip._core import stats as stats_lib
-from optclip._core.norms import Ord
+from optclip._core.norms import AxisName, Ord
 
 __all__ = [
     "ClipNormByEMAGlobalState", "ClipNormByEMAState", "ClipValueByEMAState",
@@ -116,16 +116,16 @@ def _double_tiny(dtype) -> jax.Array:
 
 def _float_zeros(tree: Any) -> Any:
     """Per float leaf: zeros of its shape in the statistics dtype; ``None`` elsewhere."""
-    # zeros_like keeps the leaf's sharding (also its sharding type under an explicit mesh).
-    return jax.tree.map(lambda x: jnp.zeros_like(x, norms.acc_dtype(x.dtype))
-                        if norms.is_float(x) else None, tree)
+    return stats_lib.zeros_like_params(lambda t: jax.tree.map(
+        lambda x: x.astype(norms.acc_dtype(x.dtype)) if norms.is_float(x) else None, t), tree)
 
 
 # ---------------------------------------------------------------------------------------------
 # Norm-referenced: clip_norm_by_ema, normalize_by_ema.
 
-def _norm_by_ema(normalize, beta, ord, eps, tensorwise, max_ema_growth, ema_init):
+def _norm_by_ema(normalize, beta, ord, eps, tensorwise, max_ema_growth, ema_init, axis_name):
     _check_ema_args(beta, ema_init)
+    norms.check_axis_name(axis_name)
     ord = norms.canonical_ord(ord)
     checks.non_negative("eps", eps)
     checks.boolean("tensorwise", tensorwise)
@@ -162,7 +162,7 @@ def _norm_by_ema(normalize, beta, ord, eps, tensorwise, max_ema_growth, ema_init
         group reads as norm 0 here and passes unchanged, and its statistics stay finite.
         """
         measure = norms.leaf_norm if tensorwise else norms.global_norm
-        a, b = (measure(group, ord) for group in groups)
+        a, b = (measure(group, ord, axis_name) for group in groups)
         if not norms.metric_defined(ord, size):
             return jnp.zeros_like(a), jnp.zeros_like(b), False
         return a, b, True
@@ -198,7 +198,8 @@ def _norm_by_ema(normalize, beta, ord, eps, tensorwise, max_ema_growth, ema_init
             for i, (x, e, r, f) in enumerate(zip(leaves, ema, old_r, is_float)):
                 if not f:
                     continue
-                a, b, measurable = _norms_or_zeros(x.size, (x, e))
+                size = x.size * norms.axes_size(norms.split_axes([x], axis_name)[0])
+                a, b, measurable = _norms_or_zeros(size, (x, e))
                 divisor, b, capped, (e,) = cap_and_divide(a, b, r, first, [e], measurable)
                 ema[i] = e
                 per_leaf[i] = (norms.divide(x, divisor), a.astype(b.dtype), b, divisor, capped)
@@ -208,7 +209,9 @@ def _norm_by_ema(normalize, beta, ord, eps, tensorwise, max_ema_growth, ema_init
                 treedef.unflatten([p[k] if p else None for p in per_leaf]) for k in range(1, 5))
         else:
             floats = [e for e in ema if e is not None]
-            a, b, measurable = _norms_or_zeros(sum(e.size for e in floats), (leaves, ema))
+            size = sum(e.size * norms.axes_size(a)
+                       for e, a in zip(floats, norms.split_axes(floats, axis_name)))
+            a, b, measurable = _norms_or_zeros(size, (leaves, ema))
             divisor, ema_norm, capped, floats = cap_and_divide(
                 a, b, state.ema_norm, first, floats, measurable)
             rescaled = iter(floats)
@@ -218,7 +221,7 @@ def _norm_by_ema(normalize, beta, ord, eps, tensorwise, max_ema_growth, ema_init
                 [norms.divide(x, divisor) if f else x for x, f in zip(leaves, is_float)])
 
         clipped = jax.tree.map(lambda d: d > 1, divisor)
-        ok = stats_lib.all_finite(updates) & stats_lib.all_finite((norm, ema_norm))
+        ok = stats_lib.all_finite((updates, norm, ema_norm), axis_name)
         new = state_cls(optax.safe_increment(state.count), treedef.unflatten(ema), ema_norm,
                         norm, divisor, clipped, capped, state.nonfinite)
         return new_updates, commit_step(ok, new, state)
@@ -233,6 +236,7 @@ def clip_norm_by_ema(
     tensorwise: bool = True,
     max_ema_growth: float | None = 1.5,
     ema_init: str = "zeros",
+    axis_name: AxisName = None,
 ) -> optax.GradientTransformation:
     """Clip the norm of the updates to the norm of their exponential moving average.
 
@@ -261,6 +265,9 @@ def clip_norm_by_ema(
         step; larger EMAs are rescaled in the state.
       ema_init: ``'zeros'`` (the first output is ``(1 - beta) x``) or ``'update'`` (the EMA
         starts at the first update, which passes unchanged).
+      axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) the leaves are split
+        over: norms and the skip decision for non-finite steps are combined across devices
+        (``psum``), so every device keeps the same state.
 
     Returns:
       An ``optax.GradientTransformation``. Its state logs the update ``norm``, the ``ema_norm``
@@ -289,7 +296,7 @@ def clip_norm_by_ema(
       [0.3, 0.4] 1.5
       [1.35, 1.8] 2.25
     """
-    return _norm_by_ema(False, beta, ord, eps, tensorwise, max_ema_growth, ema_init)
+    return _norm_by_ema(False, beta, ord, eps, tensorwise, max_ema_growth, ema_init, axis_name)
 
 
 def normalize_by_ema(
@@ -299,6 +306,7 @@ def normalize_by_ema(
     tensorwise: bool = True,
     max_ema_growth: float | None = 1.5,
     ema_init: str = "zeros",
+    axis_name: AxisName = None,
 ) -> optax.GradientTransformation:
     """Scale the updates to the norm of their exponential moving average.
 
@@ -309,7 +317,8 @@ def normalize_by_ema(
     so ``||x|| == ||e||`` (a zero update stays zero).
 
     Args:
-      beta, ord, eps, tensorwise, max_ema_growth, ema_init: as in :func:`clip_norm_by_ema`.
+      beta, ord, eps, tensorwise, max_ema_growth, ema_init, axis_name: as in
+        :func:`clip_norm_by_ema`.
 
     Returns:
       An ``optax.GradientTransformation`` with the diagnostics of :func:`clip_norm_by_ema`
@@ -329,7 +338,7 @@ def normalize_by_ema(
       [1.5, 2.0]
       [0.9, 1.2]
     """
-    return _norm_by_ema(True, beta, ord, eps, tensorwise, max_ema_growth, ema_init)
+    return _norm_by_ema(True, beta, ord, eps, tensorwise, max_ema_growth, ema_init, axis_name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,6 +348,7 @@ def clip_value_by_ema(
     beta: float = 0.99,
     ema_init: str = "zeros",
     ema_transform: optax.GradientTransformation | None = None,
+    axis_name: AxisName = None,
 ) -> optax.GradientTransformation:
     """Clamp every element to the EMA of its own absolute value.
 
@@ -355,6 +365,9 @@ def clip_value_by_ema(
       ema_transform: any ``optax.GradientTransformation`` (for example ``optax.scale(2.0)``),
         applied each step to a copy of the EMA to give the bound ``B``; its state is carried in
         this transform's state. The stored EMA is not modified.
+      axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) the leaves are split
+        over: the per-leaf diagnostics and the skip decision for non-finite steps are combined
+        across devices (the clamping itself is elementwise).
 
     Returns:
       An ``optax.GradientTransformation`` whose state logs, per leaf, the largest ``|x|`` before
@@ -381,9 +394,10 @@ def clip_value_by_ema(
         raise TypeError("ema_transform must be an optax.GradientTransformation or None, got "
                         f"{ema_transform!r}")
     transform = ema_transform if ema_transform is not None else optax.identity()
+    norms.check_axis_name(axis_name)
 
     def max_abs(x):
-        return jnp.max(jnp.abs(x), initial=0).astype(norms.acc_dtype(x.dtype))
+        return norms.leaf_norm(x, float("inf"), axis_name)
 
     def init_fn(params):
         ema = _float_zeros(params)
@@ -418,9 +432,9 @@ def clip_value_by_ema(
             # Lower clamp first, then the upper one: where B < 0 the result is B.
             outputs.append(jnp.minimum(jnp.maximum(wide, -b), b).astype(x.dtype))
             measured.append(max_abs(x))
-            clipped.append(jnp.any(jnp.abs(wide) > b))
+            clipped.append(norms.any_true(jnp.any(jnp.abs(wide) > b), axis_name))
 
-        ok = stats_lib.all_finite(updates)
+        ok = stats_lib.all_finite(updates, axis_name)
         new = ClipValueByEMAState(optax.safe_increment(state.count), ema_tree, transform_state,
                                   treedef.unflatten(measured), treedef.unflatten(clipped),
                                   state.nonfinite)

@@ -19,7 +19,7 @@ import optax
 
 from optclip._core import checks, norms
 from optclip._core import stats as stats_lib
-from optclip._core.norms import Ord
+from optclip._core.norms import AxisName, Ord
 from optclip.ema import commit_step
 
 __all__ = ["ClipNormGrowthGlobalState", "ClipNormGrowthState", "ClipValueGrowthState",
@@ -76,6 +76,7 @@ def clip_value_growth(
     mul: float | None = 1.5,
     min_value: float | None = 1e-4,
     max_decay: float | None = 2.0,
+    axis_name: AxisName = None,
 ) -> optax.GradientTransformation:
     """Limit how fast each element of the updates may grow relative to the previous update.
 
@@ -95,6 +96,9 @@ def clip_value_growth(
         and the decay test. Without it an element whose reference is 0 stays 0.
       max_decay: ``> 0`` or ``None``: the reference shrinks by at most this factor per step
         (the decayed reference keeps its sign and is not floored).
+      axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) the leaves are split
+        over: the per-leaf diagnostics and the skip decision for non-finite steps are combined
+        across devices (the limit itself is elementwise).
 
     Returns:
       An ``optax.GradientTransformation`` whose state logs, per leaf, the largest growth ratio
@@ -115,6 +119,7 @@ def clip_value_growth(
       [1.5, -1.0, 0.00015, 0.00015]
     """
     _check_growth_args(add, mul, min_value, max_decay)
+    norms.check_axis_name(axis_name)
     identity = add is None and mul is None
 
     def one_leaf(x, prev, first):
@@ -136,16 +141,18 @@ def clip_value_growth(
         if max_decay is not None:
             new_prev = jnp.where(ratio < 1 / _const(max_decay, y), prev / _const(max_decay, y),
                                  y)
-        clipped = jnp.any(y != wide)
+        clipped = norms.any_true(jnp.any(y != wide), axis_name)
         # 0/0 (no floor, zero reference and update) has no ratio; torchzero leaves it alone.
-        max_ratio = jnp.max(jnp.where(jnp.isnan(ratio), 0, ratio), initial=0)
+        max_ratio = norms.leaf_norm(jnp.where(jnp.isnan(ratio), 0, ratio), float("inf"),
+                                    axis_name).astype(ratio.dtype)
         y = jnp.where(first, wide, y)
         return (y.astype(x.dtype), jnp.where(first, wide, new_prev),
                 jnp.where(first, 1, max_ratio).astype(prev.dtype), clipped & ~first)
 
     def init_fn(params):
-        prev = jax.tree.map(lambda x: jnp.zeros_like(x, norms.acc_dtype(x.dtype))
-                            if norms.is_float(x) else None, params)
+        prev = stats_lib.zeros_like_params(lambda t: jax.tree.map(
+            lambda x: x.astype(norms.acc_dtype(x.dtype)) if norms.is_float(x) else None, t),
+            params)
         ratio = jax.tree.map(lambda p: jnp.ones((), p.dtype), prev)
         zero = jnp.zeros([], jnp.int32)
         return ClipValueGrowthState(zero, prev, ratio,
@@ -159,7 +166,7 @@ def clip_value_growth(
                    for x, p in zip(leaves, prevs)]
         outputs, new_prev, max_ratio, clipped = (
             treedef.unflatten([r[k] for r in results]) for k in range(4))
-        ok = stats_lib.all_finite(updates) & stats_lib.all_finite(new_prev)
+        ok = stats_lib.all_finite((updates, new_prev), axis_name)
         new = ClipValueGrowthState(optax.safe_increment(state.count), new_prev, max_ratio,
                                    clipped, state.nonfinite)
         return outputs, commit_step(ok, new, state)
@@ -174,6 +181,7 @@ def clip_norm_growth(
     max_decay: float | None = 2.0,
     ord: Ord = 2,
     parameterwise: bool = True,
+    axis_name: AxisName = None,
 ) -> optax.GradientTransformation:
     """Limit how fast the norm of the updates may grow relative to the previous norm.
 
@@ -198,6 +206,8 @@ def clip_norm_growth(
         ``'var'``, ``'sum'`` (as ``|Σx|``).
       parameterwise: ``True``: each leaf against its own reference; ``False``: all leaves as one
         vector (the global norm combined from per-leaf partial reductions).
+      axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) the leaves are split
+        over: norms and the skip decision are combined across devices (``psum``).
 
     Returns:
       An ``optax.GradientTransformation`` whose state logs the update ``norm``, the reference
@@ -227,6 +237,7 @@ def clip_norm_growth(
     _check_growth_args(add, mul, min_value, max_decay)
     ord = norms.canonical_ord(ord)
     checks.boolean("parameterwise", parameterwise)
+    norms.check_axis_name(axis_name)
     state_cls = ClipNormGrowthState if parameterwise else ClipNormGrowthGlobalState
 
     def divisor_and_reference(n, prev, first, measurable):
@@ -273,20 +284,21 @@ def clip_norm_growth(
             for i, (x, prev) in enumerate(zip(leaves, prevs)):
                 if norms.is_float(x):
                     measurable = norms.metric_defined(ord, x.size)
-                    n = norms.leaf_norm(x, ord) if measurable else jnp.zeros_like(prev)
+                    n = norms.leaf_norm(x, ord, axis_name) if measurable else jnp.zeros_like(prev)
                     per_leaf[i] = (n, *divisor_and_reference(n, prev, first, measurable))
             norm, divisor, prev_norm = (
                 treedef.unflatten([p[k] if p else None for p in per_leaf]) for k in range(3))
             outputs = [norms.divide(x, p[1]) if p else x for x, p in zip(leaves, per_leaf)]
         else:
             measurable = norms.metric_defined(ord, sum(x.size for x in floats))
-            norm = (norms.global_norm(floats, ord).astype(state.prev_norm.dtype) if measurable
+            norm = (norms.global_norm(floats, ord, axis_name).astype(state.prev_norm.dtype)
+                    if measurable
                     else jnp.zeros_like(state.prev_norm))
             divisor, prev_norm = divisor_and_reference(norm, state.prev_norm, first, measurable)
             outputs = [norms.divide(x, divisor) for x in leaves]
 
         clipped = jax.tree.map(lambda d: d > 1, divisor)
-        ok = stats_lib.all_finite(updates) & stats_lib.all_finite((norm, prev_norm))
+        ok = stats_lib.all_finite((updates, norm, prev_norm), axis_name)
         new = state_cls(optax.safe_increment(state.count), prev_norm, norm, divisor, clipped,
                         state.nonfinite)
         return treedef.unflatten(outputs), commit_step(ok, new, state)

@@ -437,7 +437,9 @@ def _warmup_statistics(buffer: jax.Array, steps: int) -> tuple[jax.Array, jax.Ar
     return mean, jnp.sum((buffer - mean[..., None]) ** 2, axis=-1) / (steps - 1)
 
 
-def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_leaf):
+def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_leaf,
+               axis_name=None):
+    norms.check_axis_name(axis_name)
     if criterion is None:
         criterion = zscore_criterion()
     if not isinstance(criterion, Criterion):
@@ -457,8 +459,9 @@ def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_
 
     def measure(updates, dtype):
         if per_leaf:
-            return _stack([norms.leaf_norm(x, 2.0) for x in _float_leaves(updates)], dtype)
-        return norms.global_norm(updates).astype(dtype)
+            return _stack([norms.leaf_norm(x, 2.0, axis_name) for x in _float_leaves(updates)],
+                          dtype)
+        return norms.global_norm(updates, 2.0, axis_name).astype(dtype)
 
     def diag_tree(updates, values):
         return _per_leaf_tree(updates, values) if per_leaf else values
@@ -577,6 +580,7 @@ def hist_clip(
     *,
     feedback: Literal["raw", "clip_value"] = "raw",
     parity: Parity = "fixed",
+    axis_name: norms.AxisName = None,
 ) -> optax.GradientTransformation:
     """drytorch's ``HistClipper``: warm up on a fixed buffer of norms, then let a criterion clip.
 
@@ -607,6 +611,11 @@ def hist_clip(
         so one spike does not inflate the variance and hide the next).
       parity: ``"fixed"`` (default) or ``"reference"`` (allows ``warmup_steps=0``). Give
         ``ema_criterion(parity="reference")`` too for the reference's zero-start EMA.
+      axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) (a name or a tuple) the
+        leaves are split over: the norms are combined across devices with ``psum``, so every
+        device takes the same decision and keeps the same state. Not needed under ``jax.jit``
+        with sharded arrays.
+        A ``warmup_transform`` that measures norms needs the same ``axis_name``.
 
     Returns:
       An ``optax.GradientTransformation``. Its state logs the pre-clip ``norm``, the
@@ -631,7 +640,8 @@ def hist_clip(
       >>> round(float(optax.tree.norm(out)), 3), int(state.spikes)
       (0.551, 1)
     """
-    return _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, False)
+    return _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, False,
+                      axis_name)
 
 
 def param_hist_clip(
@@ -641,6 +651,7 @@ def param_hist_clip(
     *,
     feedback: Literal["raw", "clip_value"] = "raw",
     parity: Parity = "fixed",
+    axis_name: norms.AxisName = None,
 ) -> optax.GradientTransformation:
     """drytorch's ``ParamHistClipper``: :func:`hist_clip` run independently on every leaf.
 
@@ -651,7 +662,8 @@ def param_hist_clip(
     ``count``).
 
     Args:
-      criterion, warmup_transform, warmup_steps, feedback, parity: as in :func:`hist_clip`.
+      criterion, warmup_transform, warmup_steps, feedback, parity, axis_name: as in
+        :func:`hist_clip`.
 
     Returns:
       An ``optax.GradientTransformation``. Per-leaf diagnostics (``norm``, ``threshold``,
@@ -675,7 +687,8 @@ def param_hist_clip(
       >>> [bool(state.clipped[k]) for k in ("a", "b")]
       [True, False]
     """
-    return _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, True)
+    return _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, True,
+                      axis_name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -708,6 +721,7 @@ def zclip(
     skip_update_on_spike: bool = False,
     *,
     parity: Parity = "fixed",
+    axis_name: norms.AxisName = None,
 ) -> optax.GradientTransformation:
     """ZClip: z-score spike detection on the global norm with EMA statistics.
 
@@ -747,6 +761,10 @@ def zclip(
         the reference pins every larger norm to the mean, or to 0 after all-zero warm-up
         gradients, for good); ``"reference"`` reproduces that and allows
         ``warmup_steps < 2``.
+      axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) (a name or a tuple) the
+        leaves are split over: the norms are combined across devices with ``psum``, so every
+        device takes the same decision and keeps the same state. Not needed under ``jax.jit``
+        with sharded arrays.
 
     Returns:
       An ``optax.GradientTransformation``. Its state logs ``norm`` (pre-clip), ``threshold``
@@ -782,6 +800,7 @@ def zclip(
     checks.positive("clip_factor", clip_factor)
     checks.boolean("skip_update_on_spike", skip_update_on_spike)
     _check_parity(parity)
+    norms.check_axis_name(axis_name)
     fixed = parity == "fixed"
     checks.integer("warmup_steps", warmup_steps, low=2 if fixed else 0)
     if not isinstance(mode, str):
@@ -806,7 +825,7 @@ def zclip(
     def update_fn(updates, state, params=None):
         del params
         dtype = state.mean.dtype
-        norm = norms.global_norm(updates).astype(dtype)
+        norm = norms.global_norm(updates, 2.0, axis_name).astype(dtype)
         count = state.count
         warm = count < steps
         cap = None if max_grad_norm is None else jnp.asarray(max_grad_norm, dtype)
@@ -930,7 +949,8 @@ def _history_mean_std(history: jax.Array, filled: jax.Array) -> tuple[jax.Array,
     return mean, jnp.sqrt(squares / (k - 1))
 
 
-def _autoclip(threshold_fn, history_length, global_threshold, state_cls):
+def _autoclip(threshold_fn, history_length, global_threshold, state_cls, axis_name):
+    norms.check_axis_name(axis_name)
     checks.integer("history_length", history_length, low=1)
     checks.boolean("global_threshold", global_threshold)
     per_leaf = not global_threshold
@@ -953,9 +973,10 @@ def _autoclip(threshold_fn, history_length, global_threshold, state_cls):
         del params
         dtype = state.history.dtype
         if global_threshold:
-            norm = norms.global_norm(updates).astype(dtype)
+            norm = norms.global_norm(updates, 2.0, axis_name).astype(dtype)
         else:
-            norm = _stack([norms.leaf_norm(x, 2.0) for x in _float_leaves(updates)], dtype)
+            norm = _stack([norms.leaf_norm(x, 2.0, axis_name) for x in _float_leaves(updates)],
+                          dtype)
         # The threshold comes from past norms only; none while the history is
         # empty, so call 1 is never clipped.
         threshold = jnp.where(state.filled > 0, threshold_fn(state.history, state.filled),
@@ -984,6 +1005,8 @@ def quantile_clip(
     quantile: float = 0.9,
     history_length: int = 1000,
     global_threshold: bool = False,
+    *,
+    axis_name: norms.AxisName = None,
 ) -> optax.GradientTransformation:
     """AutoClip: clip to a quantile of the recent history of gradient norms.
 
@@ -996,6 +1019,10 @@ def quantile_clip(
       quantile: in ``[0, 1]`` (a fraction, not a percentile).
       history_length: ``L``, the window (a ring buffer of ``L`` norms, per leaf in local mode).
       global_threshold: one history of the global norm instead of one per leaf.
+      axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) (a name or a tuple) the
+        leaves are split over: the norms are combined across devices with ``psum``, so every
+        device takes the same decision and keeps the same state. Not needed under ``jax.jit``
+        with sharded arrays.
 
     Returns:
       An ``optax.GradientTransformation`` whose state logs ``norm``, ``threshold`` (the norm
@@ -1022,7 +1049,7 @@ def quantile_clip(
     """
     checks.in_range("quantile", quantile, 0.0, 1.0)
     return _autoclip(lambda h, k: _history_quantile(h, k, quantile), history_length,
-                     global_threshold, QuantileClipState)
+                     global_threshold, QuantileClipState, axis_name)
 
 
 def standard_clip(
@@ -1032,6 +1059,7 @@ def standard_clip(
     *,
     add_mean: bool = False,
     parity: Parity = "fixed",
+    axis_name: norms.AxisName = None,
 ) -> optax.GradientTransformation:
     """AutoClip's StandardClip: clip to ``deviations`` standard deviations of the norm history.
 
@@ -1050,6 +1078,10 @@ def standard_clip(
       parity: ``"fixed"`` (default) does not clip while the history holds one norm;
         ``"reference"`` reproduces autoclip, whose std of one sample is NaN, turning every
         gradient of the second call into NaN.
+      axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) (a name or a tuple) the
+        leaves are split over: the norms are combined across devices with ``psum``, so every
+        device takes the same decision and keeps the same state. Not needed under ``jax.jit``
+        with sharded arrays.
 
     Returns:
       An ``optax.GradientTransformation`` whose state logs ``norm``, ``threshold`` (the norm
@@ -1080,4 +1112,5 @@ def standard_clip(
         threshold = mean + deviations * std if add_mean else deviations * std
         return jnp.where(filled >= min_filled, threshold, jnp.inf)
 
-    return _autoclip(threshold_fn, history_length, global_threshold, StandardClipState)
+    return _autoclip(threshold_fn, history_length, global_threshold, StandardClipState,
+                     axis_name)

@@ -165,10 +165,11 @@ def _check_q(q: Any, dq: Any, seed: Any) -> None:
 
 def _check_param_ndim_on(tree: Any, param_ndim: int | None, name: str) -> None:
     """At ``init``: every float leaf must accept ``param_ndim``."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    per_leaf = axes_lib.leaf_param_ndims(param_ndim, tree)
+    for (path, leaf), leaf_ndim in zip(jax.tree_util.tree_flatten_with_path(tree)[0], per_leaf):
         if norms.is_float(leaf):
             try:
-                axes_lib.reduction_axes(leaf.ndim, param_ndim=param_ndim)
+                axes_lib.reduction_axes(leaf.ndim, param_ndim=leaf_ndim)
             except ValueError as error:
                 raise ValueError(f"{name}: leaf {jax.tree_util.keystr(path) or '<root>'} of "
                                  f"shape {tuple(leaf.shape)}: {error}") from None
@@ -176,6 +177,13 @@ def _check_param_ndim_on(tree: Any, param_ndim: int | None, name: str) -> None:
 
 def _slice_axes(x: jax.Array, param_ndim: int | None) -> tuple[int, ...]:
     return axes_lib.reduction_axes(x.ndim, param_ndim=param_ndim)
+
+
+def _leaf_axes(leaves: list, tree: Any, param_ndim: Any) -> list:
+    """Slice axes of every leaf of ``tree`` (``None`` for non-float leaves); ``param_ndim``
+    may be per leaf (a pytree matching the parameters or a callable ``(path, leaf) -> k``)."""
+    return [_slice_axes(x, k) if norms.is_float(x) else None
+            for x, k in zip(leaves, axes_lib.leaf_param_ndims(param_ndim, tree), strict=True)]
 
 
 def _per_leaf(fn, tree: Any) -> Any:
@@ -206,8 +214,8 @@ def _sign(g: jax.Array) -> jax.Array:
     return jnp.where(g == 0, jnp.zeros_like(g), jnp.sign(g))
 
 
-def _normalized(g: jax.Array, ord: float, axes: tuple[int, ...], eps: Any
-                ) -> tuple[jax.Array, jax.Array]:
+def _normalized(g: jax.Array, ord: float, axes: tuple[int, ...], eps: Any,
+                split: tuple[str, ...] = ()) -> tuple[jax.Array, jax.Array]:
     """``g / max(||g||, eps)`` per slice, in the wide dtype; returns (output, norm).
 
     The norm is the plain reduction (the reference's formula in the normal range). Where it
@@ -218,9 +226,10 @@ def _normalized(g: jax.Array, ord: float, axes: tuple[int, ...], eps: Any
     [3e38, 3e38]. A zero slice stays zero in every dtype, also for ``eps=0`` (the
     reference gives NaN in float16). XLA turns the division by a per-slice value into a
     multiplication by its reciprocal, so results can differ from the reference by an ulp.
+    ``split``: mesh axes the slices are split over (inside ``shard_map``/``pmap``).
     """
     wide = g.astype(norms.acc_dtype(g.dtype))
-    norm = norms.slice_norm(wide, ord, axes)
+    norm = norms.slice_norm(wide, ord, axes, split)
     eps = jnp.asarray(eps).astype(wide.dtype)
     # float16 is accumulated in float32, where its norms can neither underflow nor overflow.
     if g.dtype == jnp.float16:
@@ -228,13 +237,14 @@ def _normalized(g: jax.Array, ord: float, axes: tuple[int, ...], eps: Any
         return wide / jnp.where(denom == 0, 1, denom), norm
     tiny = float(jnp.finfo(wide.dtype).tiny)
     low = tiny if ord == 1.0 else math.sqrt(tiny)
-    biggest = jnp.max(jnp.abs(wide), axis=axes, keepdims=True, initial=0)
+    biggest = norms.across(jnp.max(jnp.abs(wide), axis=axes, keepdims=True, initial=0), "max",
+                           split)
     rescale = ((norm < low) | (norm >= 1 / tiny)) & (biggest > 0) & jnp.isfinite(biggest)
     # Scale by 2**-e (exact) in two halves, so that neither factor is subnormal or infinite.
     shift = jnp.where(rescale, -jnp.frexp(biggest)[1], 0)
     half = jnp.ldexp(jnp.ones((), wide.dtype), shift // 2)
     unit = wide * half * half * jnp.ldexp(jnp.ones((), wide.dtype), shift % 2)
-    denom = jnp.where(rescale, norms.slice_norm(unit, ord, axes), jnp.maximum(norm, eps))
+    denom = jnp.where(rescale, norms.slice_norm(unit, ord, axes, split), jnp.maximum(norm, eps))
     out = unit / jnp.where(denom == 0, 1, denom)
     return out, jnp.where(rescale, jnp.ldexp(denom, -shift), norm)
 
@@ -254,15 +264,16 @@ def _slice_rows(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
     its axes are replicated first (the batch axes keep their sharding).
     """
     n_batch = x.ndim - len(axes)
-    if len(axes) == 1:
-        return x
     if not axes:
         return x[..., None]
     sharding = _explicit_sharding(x)
     if sharding is not None:
         spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
-        x = jax.sharding.reshard(x, jax.sharding.NamedSharding(
-            sharding.mesh, jax.sharding.PartitionSpec(*spec[:n_batch], *[None] * len(axes))))
+        if any(s is not None for s in spec[n_batch:]):
+            x = jax.sharding.reshard(x, jax.sharding.NamedSharding(
+                sharding.mesh, jax.sharding.PartitionSpec(*spec[:n_batch], *[None] * len(axes))))
+    if len(axes) == 1:
+        return x
     return x.reshape(*x.shape[:n_batch], axes_lib.slice_size(x.shape, axes))
 
 
@@ -345,11 +356,12 @@ class _DropFraction:
         k = _per_leaf(lambda x: jnp.zeros((), jnp.int32), params)
         return key, q, k
 
-    def draw(self, key: jax.Array, leaves: list, axes_of) -> tuple[jax.Array, list, list]:
-        """``(new key, q per leaf, k per leaf)`` for flattened ``leaves`` (``None`` for non-float
-        leaves); ``k`` holds Python ints when ``q`` is static."""
+    def draw(self, key: jax.Array, leaves: list, axes_of: list) -> tuple[jax.Array, list, list]:
+        """``(new key, q per leaf, k per leaf)`` for flattened ``leaves`` with slice axes
+        ``axes_of`` (``None`` for non-float leaves); ``k`` holds Python ints when ``q`` is
+        static."""
         floats = [i for i, x in enumerate(leaves) if norms.is_float(x)]
-        sizes = {i: axes_lib.slice_size(leaves[i].shape, axes_of(leaves[i])) for i in floats}
+        sizes = {i: axes_lib.slice_size(leaves[i].shape, axes_of[i]) for i in floats}
         q_of: list[Any] = [None] * len(leaves)
         k_of: list[Any] = [None] * len(leaves)
         if self.static:
@@ -414,28 +426,32 @@ def sign(grad_scale: float = 1.0, grad_bias: float = 0.0) -> optax.GradientTrans
 
 
 def _lp_normalize(ord: float, state_cls: type, name: str, param_ndim: int | None, eps: Any,
-                  grad_scale: Any, grad_bias: Any) -> optax.GradientTransformation:
-    axes_lib.check_param_ndim(param_ndim)
+                  grad_scale: Any, grad_bias: Any, axis_name: norms.AxisName
+                  ) -> optax.GradientTransformation:
+    axes_lib.check_param_ndim_spec(param_ndim)
+    norms.check_axis_name(axis_name)
     checks.non_negative("eps", eps)
     _check_affine(grad_scale, grad_bias)
 
-    def leaf(g):
-        axes = _slice_axes(g, param_ndim)
-        out, norm = _normalized(g, ord, axes, eps)
+    def leaf(g, axes):
+        out, norm = _normalized(g, ord, axes, eps, norms.split_axes([g], axis_name)[0])
         return _affine(out.astype(g.dtype), grad_scale, grad_bias), jnp.squeeze(norm, axis=axes)
 
     def apply(updates):
-        return norms.tree_unzip(lambda g: leaf(g) if norms.is_float(g) else (g, None), updates, 2)
+        leaves, treedef = jax.tree.flatten(updates)
+        results = [leaf(g, axes) if norms.is_float(g) else (g, None)
+                   for g, axes in zip(leaves, _leaf_axes(leaves, updates, param_ndim))]
+        return tuple(treedef.unflatten([r[i] for r in results]) for i in range(2))
 
     def init_fn(params):
         _check_param_ndim_on(params, param_ndim, name)
-        measured = stats_lib.zeros_like_shapes(jax.eval_shape(lambda p: apply(p)[1], params))
+        measured = stats_lib.zeros_like_params(lambda p: apply(p)[1], params)
         return state_cls(measured, jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
         del params
         new_updates, measured = apply(updates)
-        finite = stats_lib.all_finite(updates)
+        finite = stats_lib.all_finite(updates, axis_name)
         return new_updates, state_cls(stats_lib.keep_if(finite, measured, state.norm),
                                       stats_lib.count_nonfinite(state.nonfinite, finite))
 
@@ -443,7 +459,8 @@ def _lp_normalize(ord: float, state_cls: type, name: str, param_ndim: int | None
 
 
 def l1_normalize(param_ndim: int | None = -1, eps: float = TINY, grad_scale: float = 1.0,
-                 grad_bias: float = 0.0) -> optax.GradientTransformation:
+                 grad_bias: float = 0.0, *, axis_name: norms.AxisName = None
+                 ) -> optax.GradientTransformation:
     """Divide every slice by its L1 norm: ``g <- g / max(Σ|g|, eps) * grad_scale + grad_bias``.
 
     Args:
@@ -453,6 +470,9 @@ def l1_normalize(param_ndim: int | None = -1, eps: float = TINY, grad_scale: flo
       eps: lower bound of the divisor (rai_toolbox ``div_by_zero_eps``), ``>= 0``.
       grad_scale: multiplies the normalized gradient.
       grad_bias: then added to every element.
+      axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) the slices' axes are
+        split over; partial norms are combined with ``psum``. Slices that lie whole on each
+        device need none.
 
     Returns:
       An ``optax.GradientTransformation`` whose state logs each slice's L1 ``norm`` before
@@ -473,11 +493,12 @@ def l1_normalize(param_ndim: int | None = -1, eps: float = TINY, grad_scale: flo
       [0.5, 0.5]
     """
     return _lp_normalize(1.0, L1NormalizeState, "l1_normalize", param_ndim, eps, grad_scale,
-                         grad_bias)
+                         grad_bias, axis_name)
 
 
 def l2_normalize(param_ndim: int | None = -1, eps: float = TINY, grad_scale: float = 1.0,
-                 grad_bias: float = 0.0) -> optax.GradientTransformation:
+                 grad_bias: float = 0.0, *, axis_name: norms.AxisName = None
+                 ) -> optax.GradientTransformation:
     """Divide every slice by its L2 norm: ``g <- g / max(||g||₂, eps) * grad_scale + grad_bias``.
 
     Args:
@@ -486,6 +507,7 @@ def l2_normalize(param_ndim: int | None = -1, eps: float = TINY, grad_scale: flo
       eps: lower bound of the divisor (rai_toolbox ``div_by_zero_eps``), ``>= 0``.
       grad_scale: multiplies the normalized gradient.
       grad_bias: then added to every element.
+      axis_name: as in :func:`l1_normalize`.
 
     Returns:
       An ``optax.GradientTransformation`` whose state logs each slice's L2 ``norm`` before
@@ -505,18 +527,17 @@ def l2_normalize(param_ndim: int | None = -1, eps: float = TINY, grad_scale: flo
       [[0.0, 0.0], [0.6, -0.8]]
     """
     return _lp_normalize(2.0, L2NormalizeState, "l2_normalize", param_ndim, eps, grad_scale,
-                         grad_bias)
+                         grad_bias, axis_name)
 
 
 def _top_q_family(name: str, state_cls: type, q: Any, dq: Any, param_ndim: int | None,
                   seed: int, leaf_fn, grad_scale: Any, grad_bias: Any
                   ) -> optax.GradientTransformation:
     """Shared body of ``top_q`` and ``l1q_normalize``: ``leaf_fn(g, axes, k)``."""
-    axes_lib.check_param_ndim(param_ndim)
+    axes_lib.check_param_ndim_spec(param_ndim)
     _check_q(q, dq, seed)
     _check_affine(grad_scale, grad_bias)
     fraction = _DropFraction(q, dq, seed)
-    axes_of = lambda g: _slice_axes(g, param_ndim)
 
     def init_fn(params):
         _check_param_ndim_on(params, param_ndim, name)
@@ -525,9 +546,11 @@ def _top_q_family(name: str, state_cls: type, q: Any, dq: Any, param_ndim: int |
     def update_fn(updates, state, params=None):
         del params
         leaves, treedef = jax.tree.flatten(updates)
+        axes_of = _leaf_axes(leaves, updates, param_ndim)
         key, q_of, k_of = fraction.draw(state.key, leaves, axes_of)
-        new_leaves = [_affine(leaf_fn(g, axes_of(g), k), grad_scale, grad_bias)
-                      if norms.is_float(g) else g for g, k in zip(leaves, k_of, strict=True)]
+        new_leaves = [_affine(leaf_fn(g, axes, k), grad_scale, grad_bias)
+                      if norms.is_float(g) else g
+                      for g, axes, k in zip(leaves, axes_of, k_of, strict=True)]
         finite = stats_lib.all_finite(updates)
         new_state = state_cls(key, treedef.unflatten(q_of), treedef.unflatten(_k_arrays(k_of)),
                               state.nonfinite)
@@ -762,9 +785,8 @@ def project_l2_ball(epsilon: float, param_ndim: int | None = -1, *, exact: bool 
 
     def init_diag(params):
         _check_param_ndim_on(params, param_ndim, "project_l2_ball")
-        shapes = jax.eval_shape(lambda p: norms.tree_unzip(
+        return stats_lib.zeros_like_params(lambda p: norms.tree_unzip(
             lambda x: project(x)[1:] if norms.is_float(x) else (None, None), p, 2), params)
-        return tuple(stats_lib.zeros_like_shapes(s) for s in shapes)
 
     return _projection("project_l2_ball", project, init_diag, ProjectL2BallState)
 
@@ -887,7 +909,6 @@ def _frank_wolfe(name: str, lmo, scaling: Any, learning_rate: Any, schedule: boo
                  fw_eps: Any, param_ndim: int | None, fraction: _DropFraction | None
                  ) -> optax.GradientTransformation:
     """Frank-Wolfe with ``direction = lmo(g, axes, k)``; ``fraction`` for the L1q LMO only."""
-    axes_of = lambda g: _slice_axes(g, param_ndim)
 
     def init_fn(params):
         _check_param_ndim_on(params, param_ndim, name)
@@ -902,6 +923,7 @@ def _frank_wolfe(name: str, lmo, scaling: Any, learning_rate: Any, schedule: boo
                                        norms.stat_dtype())
         leaves, treedef = jax.tree.flatten(updates)
         param_leaves = treedef.flatten_up_to(params)
+        axes_of = _leaf_axes(leaves, updates, param_ndim)
         finite = stats_lib.all_finite(updates)
         if fraction is None:
             k_of = [None] * len(leaves)
@@ -912,9 +934,9 @@ def _frank_wolfe(name: str, lmo, scaling: Any, learning_rate: Any, schedule: boo
             new_state = L1qFrankWolfeState(
                 optax.safe_increment(state.count), alpha, key, treedef.unflatten(q_of),
                 treedef.unflatten(_k_arrays(k_of)), state.nonfinite)
-        new_leaves = [_fw_step(p, lmo(g, axes_of(g), k), a, b).astype(g.dtype)
+        new_leaves = [_fw_step(p, lmo(g, axes, k), a, b).astype(g.dtype)
                       if norms.is_float(g) else g
-                      for g, k, p in zip(leaves, k_of, param_leaves, strict=True)]
+                      for g, axes, k, p in zip(leaves, axes_of, k_of, param_leaves, strict=True)]
         new_state = stats_lib.keep_if(finite, new_state, state)
         return treedef.unflatten(new_leaves), new_state._replace(
             nonfinite=stats_lib.count_nonfinite(state.nonfinite, finite))
@@ -973,7 +995,7 @@ def _fw_family(name: str, lmo, epsilon, learning_rate, use_default_lr_schedule, 
                ) -> optax.GradientTransformation:
     checks.non_negative("epsilon", epsilon)
     _check_fw(learning_rate, use_default_lr_schedule, eps)
-    axes_lib.check_param_ndim(param_ndim)
+    axes_lib.check_param_ndim_spec(param_ndim)
     return _frank_wolfe(name, lmo, epsilon, learning_rate, use_default_lr_schedule,
                         eps if eps_to_fw else TINY, param_ndim, fraction)
 

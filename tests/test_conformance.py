@@ -19,6 +19,7 @@ from tests.registry import ALL_ENTRIES, Entry
 NOT_TRANSFORMS = {
     "stats", "clip_grad_norm", "clip_grad_value", "normalize_grads",
     "max_clipping", "mean_clipping", "reciprocal_clipping", "ema_criterion", "zscore_criterion",
+    "flax_unit_axes",
 }
 STEPS = 3
 
@@ -148,34 +149,53 @@ def test_bad_hyperparameters_rejected_at_construction(entry):
             factory(**kwargs)
 
 
-def _shard(tree, mesh):
-    def place(x):
-        spec = (PartitionSpec("x", *([None] * (x.ndim - 1)))
-                if x.ndim >= 1 and x.shape[0] % mesh.size == 0 else PartitionSpec())
-        return jax.device_put(x, NamedSharding(mesh, spec))
-    return jax.tree.map(place, tree)
+# Layouts of the default tree {"w": (8, 4), "b": (4,)}: data/FSDP (w split by rows), tensor
+# parallel (w split by columns, b too), and both at once on a 2-D mesh.
+LAYOUTS = {
+    "fsdp": ((8,), ("x",), {"w": PartitionSpec("x"), "b": PartitionSpec()}),
+    "tp": ((2, 4), ("d", "m"), {"w": PartitionSpec(None, "m"), "b": PartitionSpec("m")}),
+    "2d": ((2, 4), ("d", "m"), {"w": PartitionSpec("d", "m"), "b": PartitionSpec("m")}),
+}
+
+
+def _shard(tree, mesh, specs):
+    return jax.tree.map(lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)), tree, specs)
+
+
+def _specs(state):
+    return [jax.typeof(x).sharding.spec for x in jax.tree.leaves(state)]
 
 
 @entries
-@pytest.mark.parametrize("axis_type", ["explicit", "auto"])
-def test_sharded_run_matches_unsharded(entry, axis_type):
+@pytest.mark.parametrize("layout, axis_type", [("fsdp", "explicit"), ("tp", "explicit"),
+                                               ("2d", "explicit"), ("2d", "auto")])
+def test_sharded_run_matches_unsharded(entry, layout, axis_type):
+    """Under jit on sharded arrays: same numbers; outputs keep the gradients' shardings; the
+    state that ``jax.jit(tx.init)`` returns has the shardings ``update`` returns (no second
+    compilation; a ``lax.scan`` carry type-checks)."""
     if jax.device_count() < 8:
         pytest.fail("the sharding check needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
     axis = jax.sharding.AxisType.Explicit if axis_type == "explicit" else jax.sharding.AxisType.Auto
-    mesh = jax.make_mesh((8,), ("x",), axis_types=(axis,))
+    shape, names, specs = LAYOUTS[layout]
+    mesh = jax.make_mesh(shape, names, axis_types=(axis,) * len(shape))
     tx, update = _compiled(entry.name)
     params = _params(entry)
     plain_out, plain_state = _run(update, tx.init(params), _grads(entry), params)
     with jax.set_mesh(mesh):
-        sharded_params = _shard(params, mesh)
-        sharded_grads = [_shard(g, mesh) for g in _grads(entry)]
+        sharded_params = _shard(params, mesh, specs)
+        sharded_grads = [_shard(g, mesh, specs) for g in _grads(entry)]
         sharded_update = jax.jit(tx.update)
-        sharded_out, sharded_state = _run(sharded_update, tx.init(sharded_params),
-                                          sharded_grads, sharded_params)
+        init_state = jax.jit(tx.init)(sharded_params)
+        sharded_out, sharded_state = _run(sharded_update, init_state, sharded_grads,
+                                          sharded_params)
     chex.assert_trees_all_close(sharded_out, plain_out, rtol=entry.rtol, atol=1e-6)
     chex.assert_trees_all_close(sharded_state, plain_state, rtol=entry.rtol, atol=1e-6)
     for out, g in zip(jax.tree.leaves(sharded_out[-1]), jax.tree.leaves(sharded_grads[-1])):
         assert out.sharding.is_equivalent_to(g.sharding, g.ndim), (out.sharding, g.sharding)
+    for before, after in zip(jax.tree.leaves(init_state), jax.tree.leaves(sharded_state)):
+        assert before.sharding.is_equivalent_to(after.sharding, before.ndim), (
+            before.sharding, after.sharding)
+    assert _specs(init_state) == _specs(sharded_state)
 
 
 @entries
@@ -201,3 +221,63 @@ def test_vmap_per_example_inside_scan_matches_the_loop(entry):
         for step, loop_out in enumerate(loop_outs):
             chex.assert_trees_all_close(jax.tree.map(lambda x: x[step, example], outs), loop_out,
                                         rtol=entry.rtol, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Convention 14: inside shard_map, transforms with ``axis_name`` give the global answer.
+
+axis_entries = pytest.mark.parametrize(
+    "entry", [e for e in ALL_ENTRIES if e.axis_make is not None], ids=str)
+
+
+@entries
+def test_axis_name_is_registered_exactly_where_the_factory_takes_it(entry):
+    import inspect
+    takes = "axis_name" in inspect.signature(getattr(optclip, entry.name)).parameters
+    assert takes == (entry.axis_make is not None), "set Entry.axis_make for axis_name"
+
+
+def _auto_mesh():
+    return jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def _shard_map_steps(tx, params, grads, specs):
+    """``STEPS`` updates inside ``shard_map``; returns each step's outputs and the last stats
+    (declared replicated, so JAX checks that every device holds the same values)."""
+    def body(params, *steps):
+        state = tx.init(params)
+        outs = []
+        for g in steps:
+            out, state = tx.update(g, state, params)
+            outs.append(out)
+        return outs, optclip.stats(state)
+
+    mapped = jax.shard_map(body, mesh=_auto_mesh(), in_specs=(specs,) * (1 + len(grads)),
+                           out_specs=([specs] * len(grads), PartitionSpec()))
+    return jax.jit(mapped)(params, *grads)
+
+
+@axis_entries
+def test_shard_map_with_axis_name_matches_the_unsharded_run(entry):
+    """"w" split 8 ways along axis 0, "b" replicated (counted once): same outputs and stats."""
+    grads = _grads(entry)
+    specs = {"w": PartitionSpec("x"), "b": PartitionSpec()}
+    params = _params(entry)
+    outs, logged = _shard_map_steps(entry.axis_make("x"), params, grads, specs)
+    plain = entry.axis_make(None)
+    expected_outs, state = _run(jax.jit(plain.update), plain.init(params), grads, params)
+    chex.assert_trees_all_close(outs, expected_outs, rtol=1e-5, atol=1e-6)
+    expected = optclip.stats(state)
+    assert logged.keys() == expected.keys()
+    chex.assert_trees_all_close(logged, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("entry", [e for e in ALL_ENTRIES if e.ones_norm is not None], ids=str)
+def test_shard_map_ones_clipped_by_their_global_norm(entry):
+    """``ones(8, 4)`` split 8 ways: the global norm is sqrt(32), not each shard's 2."""
+    outs, logged = _shard_map_steps(entry.axis_make("x"), jnp.ones((8, 4)), [jnp.ones((8, 4))],
+                                    PartitionSpec("x"))
+    np.testing.assert_allclose(float(optax.tree.norm(outs[0])), entry.ones_norm, rtol=1e-5)
+    norms = [v for k, v in logged.items() if k.endswith(("/norm", "/norm_max"))]
+    assert norms, logged.keys()
+    np.testing.assert_allclose(np.asarray(norms, np.float64), np.sqrt(32.0), rtol=1e-6)

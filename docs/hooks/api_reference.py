@@ -26,6 +26,7 @@ SECTIONS = {  # module -> heading, in page order
     "optclip.skip_spikes": "Spike protection: skipping steps (`skip_spikes.py`)",
     "optclip.adagc": "Spike protection: AdaGC (`adagc.py`)",
     "optclip.moment_clip": "Spike protection: moment-aware clipping (`moment_clip.py`)",
+    "optclip.unitwise": "Unit-wise clipping and Flax unit axes (`unitwise.py`)",
 }
 
 

@@ -9,13 +9,16 @@ Two vocabularies describe the same idea (``API.md``, "Axes vocabulary"):
   ``k < 0`` the last ``ndim + k`` axes; the leading axes are batch axes.
 
 Both resolve through :func:`reduction_axes`, per leaf, from the static shape (at trace time).
+``dim`` may also differ per leaf: a pytree matching the parameters (or a prefix of them) whose
+leaves are ``dim`` values, or a callable ``(path, leaf) -> dim``; :func:`leaf_dims` resolves it.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from optclip._core import checks
 
@@ -24,9 +27,66 @@ Dim = int | Sequence[int] | str | None
 _UNSET = object()
 
 
-def check_dim(dim: Dim, *, allow_global: bool = True) -> None:
+def _is_dim_value(value: Any) -> bool:
+    """A single ``dim`` (``None``, an int, ``'global'`` or a sequence of ints), not a tree."""
+    if value is None or isinstance(value, (numbers.Number, str)):
+        return True
+    # A sequence of numbers is one (possibly invalid) dim, validated as such; a sequence
+    # holding anything else (None, tuples, dicts) is a per-leaf tree.
+    return isinstance(value, (tuple, list)) and all(isinstance(v, numbers.Number) for v in value)
+
+
+def is_per_leaf(dim: Any) -> bool:
+    """Whether ``dim`` gives each leaf its own axes (a callable or a pytree of ``dim`` values)."""
+    return callable(dim) or not _is_dim_value(dim)
+
+
+def leaf_dims(dim: Any, tree: Any) -> list:
+    """The ``dim`` of every leaf of ``tree`` (in ``jax.tree.leaves`` order).
+
+    ``dim`` is one value for all leaves, a callable ``(path, leaf) -> dim`` or a pytree whose
+    structure is a prefix of ``tree``'s (a value there applies to every leaf below it).
+    """
+    return _per_leaf_values(dim, tree, "dim", lambda d: check_dim(d, allow_global=False))
+
+
+def leaf_param_ndims(param_ndim: Any, tree: Any) -> list:
+    """The ``param_ndim`` of every leaf of ``tree``, per-leaf spellings as in :func:`leaf_dims`."""
+    return _per_leaf_values(param_ndim, tree, "param_ndim", check_param_ndim)
+
+
+def check_param_ndim_spec(param_ndim: Any) -> None:
+    """Construction-time validation of ``param_ndim``: an int, ``None``, or per leaf."""
+    if not is_per_leaf(param_ndim):
+        check_param_ndim(param_ndim)
+
+
+def _per_leaf_values(spec: Any, tree: Any, name: str, check: Callable[[Any], None]) -> list:
+    import jax  # local: axes.py stays importable without initialising jax
+
+    if not is_per_leaf(spec):
+        return [spec] * len(jax.tree.leaves(tree))
+    if callable(spec):
+        resolved = [spec(path, leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
+    else:
+        try:
+            per_subtree = jax.tree.map(lambda d, sub: [d] * len(jax.tree.leaves(sub)),
+                                       spec, tree, is_leaf=_is_dim_value)
+        except ValueError as error:
+            raise ValueError(f"a per-leaf {name} must be a pytree matching the parameters (or "
+                             f"a prefix of them): {error}") from None
+        resolved = [d for ds in jax.tree.leaves(per_subtree, is_leaf=lambda v: isinstance(
+            v, list)) for d in ds]
+    for d in resolved:
+        check(d)
+    return resolved
+
+
+def check_dim(dim: Dim, *, allow_global: bool = True, allow_per_leaf: bool = False) -> None:
     """Construction-time validation of a torchzero-style ``dim``."""
     if dim is None:
+        return
+    if allow_per_leaf and is_per_leaf(dim):
         return
     checks.static("dim", dim)
     if isinstance(dim, str):

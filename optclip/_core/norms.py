@@ -69,38 +69,122 @@ def stat_dtype() -> jnp.dtype:
     return jnp.dtype(jnp.float64) if jax.config.jax_enable_x64 else jnp.dtype(jnp.float32)
 
 
+AxisName = str | tuple[str, ...] | None
+
+
+def check_axis_name(axis_name: Any) -> None:
+    """Construction-time validation of ``axis_name``: ``None``, a name or a tuple of names."""
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if axis_name is not None and not all(isinstance(n, str) and n for n in names):
+        raise TypeError("axis_name must be None, a mesh axis name (str) or a tuple of names; "
+                        f"got {axis_name!r}")
+
+
+def _varying(x: Any) -> frozenset:
+    """The manual mesh axes ``x``'s type says it varies over (empty where jax does not track)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
+    return frozenset(vma)
+
+
+def split_axes(leaves: list, axis_name: AxisName) -> list[tuple[str, ...]]:
+    """Per leaf, the named mesh axes its elements are split over (inside shard_map or pmap).
+
+    Where jax tracks which values vary across devices (``shard_map`` with its default
+    ``check_vma=True``), a leaf that does not vary over a named axis (a replicated bias, say)
+    holds the same elements on every device and is counted once. Where it does not track
+    (``pmap``, ``check_vma=False``) every leaf is taken to be split over all named axes.
+    Outside ``shard_map``/``pmap`` (axis names unbound, e.g. ``init`` called on the global
+    arrays) nothing is split.
+    """
+    if axis_name is None:
+        return [()] * len(leaves)
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    try:
+        index = jax.lax.axis_index(names)
+    except NameError:  # not inside shard_map/pmap: the arrays are whole
+        return [()] * len(leaves)
+    if not _varying(index):
+        return [names] * len(leaves)
+    return [tuple(n for n in names if n in _varying(x)) for x in leaves]
+
+
+def axes_size(split: tuple[str, ...]) -> int:
+    """Number of devices along the named mesh axes (1 for none)."""
+    return math.prod(jax.lax.axis_size(n) for n in split)
+
+
+def across(value: jax.Array, kind: str, split: tuple[str, ...]) -> jax.Array:
+    """Combine a partial ``kind`` reduction (``'sum'``, ``'max'``, ``'min'``) across devices.
+
+    The one place optclip issues a collective: ``psum``/``pmax``/``pmin`` over the named mesh
+    axes, so every device ends with the same value (and the same state).
+    """
+    if not split:
+        return value
+    return {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}[kind](value, split)
+
+
+def _flag_across(flag: jax.Array, kind: str, axis_name: AxisName) -> jax.Array:
+    split = split_axes([flag], axis_name)[0] if axis_name is not None else ()
+    if not split:
+        return flag
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    return across(flag.astype(jnp.int32), kind, names).astype(bool)
+
+
+def all_true(flag: jax.Array, axis_name: AxisName = None) -> jax.Array:
+    """A bool that holds on every device along ``axis_name`` (a step-wide decision)."""
+    return _flag_across(flag, "min", axis_name)
+
+
+def any_true(flag: jax.Array, axis_name: AxisName = None) -> jax.Array:
+    """A bool that holds on some device along ``axis_name``."""
+    return _flag_across(flag, "max", axis_name)
+
+
 def _wide(x: jax.Array) -> jax.Array:
     return x.astype(acc_dtype(x.dtype))
 
 
-def slice_norm(x: jax.Array, ord: float | str, axes: tuple[int, ...]) -> jax.Array:
+def slice_norm(x: jax.Array, ord: float | str, axes: tuple[int, ...],
+               split: tuple[str, ...] = ()) -> jax.Array:
     """Metric of every slice of ``x`` reduced over ``axes`` (keepdims), in the wide dtype.
 
-    ``axes=()`` treats every element as a one-element slice (also for 0-d leaves).
+    ``axes=()`` treats every element as a one-element slice (also for 0-d leaves). ``split``
+    names the mesh axes (inside ``shard_map``/``pmap``) over which the reduced axes of ``x`` are
+    split: the partial reductions are combined across them (:func:`across`).
     """
     x = _wide(x)
-    k = math.prod(x.shape[a] for a in axes)
-    reduce = dict(axis=axes, keepdims=True)
+    k = math.prod(x.shape[a] for a in axes) * axes_size(split)
+
+    def total(v, kind="sum"):
+        op, init = _REDUCERS[kind]
+        local = jax.lax.reduce(v, jnp.asarray(init, v.dtype), op, axes)
+        return across(jnp.expand_dims(local, axes), kind, split)
+
     if ord == "mad":
-        return jnp.sum(jnp.abs(x), **reduce) / k
+        return total(jnp.abs(x)) / k
     if ord in ("std", "var"):
-        mean = jnp.sum(x, **reduce) / k
-        var = jnp.sum(jnp.square(x - mean), **reduce) / (k - 1) if k > 1 else jnp.full(
+        mean = total(x) / k
+        var = total(jnp.square(x - mean)) / (k - 1) if k > 1 else jnp.full(
             mean.shape, jnp.nan, x.dtype)
         return jnp.sqrt(var) if ord == "std" else var
     if ord == "sum":
-        return jnp.abs(jnp.sum(x, **reduce))
+        return jnp.abs(total(x))
     if ord == 2.0:
-        return jnp.sqrt(jnp.sum(jnp.square(x), **reduce))
+        return jnp.sqrt(total(jnp.square(x)))
     if ord == 1.0:
-        return jnp.sum(jnp.abs(x), **reduce)
+        return total(jnp.abs(x))
     if ord == 0.0:
-        return jnp.sum((x != 0).astype(x.dtype), **reduce)
+        return total((x != 0).astype(x.dtype))
     if ord == math.inf:
-        return jnp.max(jnp.abs(x), initial=0.0, **reduce)
+        return jnp.maximum(total(jnp.abs(x), "max"), 0.0)
     if ord == -math.inf:
-        return jnp.min(jnp.abs(x), initial=math.inf, **reduce)
-    return jnp.sum(jnp.abs(x) ** ord, **reduce) ** (1.0 / ord)
+        return total(jnp.abs(x), "min")
+    return total(jnp.abs(x) ** ord) ** (1.0 / ord)
 
 
 def metric_defined(ord: float | str, size: int) -> bool:
@@ -113,9 +197,9 @@ def metric_defined(ord: float | str, size: int) -> bool:
     return size > 0 and not (ord in ("std", "var") and size < 2)
 
 
-def leaf_norm(x: jax.Array, ord: float | str) -> jax.Array:
-    """Metric of a whole leaf as a 0-d array in the wide dtype."""
-    return slice_norm(x, ord, tuple(range(x.ndim))).reshape(())
+def leaf_norm(x: jax.Array, ord: float | str, axis_name: AxisName = None) -> jax.Array:
+    """Metric of a whole leaf as a 0-d array in the wide dtype (split over ``axis_name``)."""
+    return slice_norm(x, ord, tuple(range(x.ndim)), split_axes([x], axis_name)[0]).reshape(())
 
 
 # Same-shape leaves reduced by one variadic reduce, at most this many at a time (compile time
@@ -186,50 +270,65 @@ def gather_scalars(partials: list[jax.Array]) -> jax.Array:
         values, indices_are_sorted=True, unique_indices=True)
 
 
-def _combine(partials: list[jax.Array], how: Callable, empty: float) -> jax.Array:
+def _combine(partials: list[jax.Array], how: Callable, empty: float,
+             split: list[tuple[str, ...]] | None = None, kind: str = "sum") -> jax.Array:
     if not partials:
         return jnp.asarray(empty, jnp.float32)
-    return how(gather_scalars(partials))
+    groups: dict[tuple[str, ...], list[jax.Array]] = collections.defaultdict(list)
+    for p, axes in zip(partials, split or [()] * len(partials)):
+        groups[axes].append(p)
+    totals = [across(how(gather_scalars(ps)), kind, axes) for axes, ps in groups.items()]
+    return totals[0] if len(totals) == 1 else how(jnp.stack(totals))
 
 
-def tree_sum(partials: list[jax.Array]) -> jax.Array:
-    """Sum of per-leaf scalars, as one reduction (keeps compile time flat in the leaf count)."""
-    return _combine(partials, jnp.sum, 0.0)
+def tree_sum(partials: list[jax.Array], split: list[tuple[str, ...]] | None = None
+             ) -> jax.Array:
+    """Sum of per-leaf scalars, as one reduction (keeps compile time flat in the leaf count).
+
+    ``split`` (from :func:`split_axes`) gives, per partial, the mesh axes to sum it across.
+    """
+    return _combine(partials, jnp.sum, 0.0, split)
 
 
-def global_norm(tree: Any, ord: float | str = 2.0) -> jax.Array:
+def global_norm(tree: Any, ord: float | str = 2.0, axis_name: AxisName = None) -> jax.Array:
     """Metric of all floating leaves of ``tree`` taken as one vector.
 
     Computed from per-leaf partial reductions combined as scalars. Unlike torchzero 0.4.4,
-    ``ord=0`` counts non-zeros instead of raising.
+    ``ord=0`` counts non-zeros instead of raising. Inside ``shard_map``/``pmap``,
+    ``axis_name`` names the mesh axes the leaves are split over: the partial reductions are
+    combined across devices (one scalar collective per group of leaves split alike).
     """
     leaves = _float_leaves(tree)
-    count = sum(x.size for x in leaves)
+    split = split_axes(leaves, axis_name)
+    count = sum(x.size * axes_size(axes) for x, axes in zip(leaves, split))
 
     def total(prepare, kind="sum"):
         return leaf_reductions(leaves, lambda x: prepare(_wide(x)), kind)
 
+    def tsum(partials):
+        return tree_sum(partials, split)
+
     if ord == math.inf:
-        return _combine(total(jnp.abs, "max"), jnp.max, 0.0)
+        return _combine(total(jnp.abs, "max"), jnp.max, 0.0, split, "max")
     if ord == -math.inf:
-        return _combine(total(jnp.abs, "min"), jnp.min, math.inf)
+        return _combine(total(jnp.abs, "min"), jnp.min, math.inf, split, "min")
     if ord in ("std", "var", "sum"):
-        signed = tree_sum(total(lambda x: x))
+        signed = tsum(total(lambda x: x))
         if ord == "sum":
             return jnp.abs(signed)
         mean = signed / max(count, 1)
-        squares = tree_sum(total(lambda x: jnp.square(x - mean)))
+        squares = tsum(total(lambda x: jnp.square(x - mean)))
         var = squares / (count - 1) if count > 1 else jnp.full((), jnp.nan, squares.dtype)
         return jnp.sqrt(var) if ord == "std" else var
     if ord == "mad":
-        return tree_sum(total(jnp.abs)) / max(count, 1)
+        return tsum(total(jnp.abs)) / max(count, 1)
     if ord == 2.0:
-        return jnp.sqrt(tree_sum(total(jnp.square)))
+        return jnp.sqrt(tsum(total(jnp.square)))
     if ord == 1.0:
-        return tree_sum(total(jnp.abs))
+        return tsum(total(jnp.abs))
     if ord == 0.0:
-        return tree_sum(total(lambda x: (x != 0).astype(x.dtype)))
-    return tree_sum(total(lambda x: jnp.abs(x) ** ord)) ** (1.0 / ord)
+        return tsum(total(lambda x: (x != 0).astype(x.dtype)))
+    return tsum(total(lambda x: jnp.abs(x) ** ord)) ** (1.0 / ord)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,6 +379,7 @@ def scale_slices(
     inverse_dims: bool = False,
     min_size: int = 1,
     param_ndim=axes_lib._UNSET,
+    axis_name: AxisName = None,
 ) -> tuple[Any, Any]:
     """Scale every slice by ``multiplier(norm)``; returns ``(scaled tree, norms tree)``.
 
@@ -287,22 +387,27 @@ def scale_slices(
     Otherwise norms come back per leaf in the wide dtype with the reduced axes squeezed out.
     Leaves that the axes rule leaves alone (no axes, or slices smaller than ``min_size``) are
     returned unchanged with a 0-d zero norm; non-float leaves pass through with a ``None`` norm.
+    ``axis_name``: the mesh axes (inside ``shard_map``/``pmap``) a leaf's reduced axes are
+    split over; per-slice partial reductions are combined across them.
     """
     if dim == axes_lib.GLOBAL:
-        norm = global_norm(tree, ord)
+        norm = global_norm(tree, ord, axis_name)
         factor = multiplier(norm)
         return jax.tree.map(lambda x: scale(x, factor), tree), norm
 
-    def one_leaf(x):
+    def one_leaf(x, leaf_dim):
         if not is_float(x):
             return x, None
-        axes = axes_lib.reduction_axes(x.ndim, dim, inverse_dims, param_ndim=param_ndim)
-        if axes is None or axes_lib.slice_size(x.shape, axes) < min_size:
+        axes = axes_lib.reduction_axes(x.ndim, leaf_dim, inverse_dims, param_ndim=param_ndim)
+        split = split_axes([x], axis_name)
+        if axes is None or axes_lib.slice_size(x.shape, axes) * axes_size(split[0]) < min_size:
             return x, jnp.zeros((), acc_dtype(x.dtype))
-        norm = slice_norm(x, ord, axes)
+        norm = slice_norm(x, ord, axes, split[0])
         return scale(x, multiplier(norm)), jnp.squeeze(norm, axis=axes)
 
-    return tree_unzip(one_leaf, tree, 2)
+    leaves, treedef = jax.tree.flatten(tree)
+    results = [one_leaf(x, d) for x, d in zip(leaves, axes_lib.leaf_dims(dim, tree))]
+    return tuple(treedef.unflatten([r[i] for r in results]) for i in range(2))
 
 
 def tree_unzip(fn: Callable[[Any], tuple], tree: Any, n: int) -> tuple[Any, ...]:

@@ -104,11 +104,16 @@ def keep_finite(new: Any, old: Any) -> Any:
     return jax.tree.map(lambda n, o: jnp.where(jnp.isfinite(n), n, o), new, old)
 
 
-def all_finite(tree: Any) -> jax.Array:
-    """Scalar bool: every element of every floating leaf of ``tree`` is finite."""
+def all_finite(tree: Any, axis_name: norms.AxisName = None) -> jax.Array:
+    """Scalar bool: every element of every floating leaf of ``tree`` is finite.
+
+    With ``axis_name`` (inside ``shard_map``/``pmap``) on every device along those mesh axes,
+    so a step is committed or skipped everywhere alike.
+    """
     checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
               if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
-    return jnp.all(norms.gather_scalars(checks)) if checks else jnp.asarray(True)
+    local = jnp.all(norms.gather_scalars(checks)) if checks else jnp.asarray(True)
+    return norms.all_true(local, axis_name)
 
 
 def keep_if(ok: jax.Array, new: Any, old: Any) -> Any:
@@ -129,6 +134,33 @@ def zeros_like_shapes(shapes: Any) -> Any:
     """
     return jax.tree.map(
         lambda s: jnp.zeros(s.shape, s.dtype, out_sharding=getattr(s, "sharding", None)), shapes)
+
+
+def _zero_from(x: jax.Array) -> jax.Array:
+    """``+0`` everywhere, computed from ``x`` so that it is sharded like ``x``.
+
+    ``jnp.zeros_like`` under ``jax.jit`` on an automatic-axes mesh comes out replicated (the
+    zeros depend on nothing, so the partitioner has nothing to follow); a value computed from
+    ``x`` inherits ``x``'s sharding there, and its sharding type under an explicit mesh.
+    ``|x| * 0`` on finite entries (NaN/Inf in ``x`` never reach the state).
+    """
+    return jnp.where(jnp.isfinite(x), jnp.abs(x), 0) * 0
+
+
+def zeros_like_params(measure: Any, params: Any) -> Any:
+    """State built with the parameters' shardings: zeros (``False`` for bools) shaped like
+    ``measure(params)`` and sharded as ``measure`` would shard its result on ``params``.
+
+    ``measure`` maps a params-like tree to the tree the state holds (per element, per slice or
+    per leaf; ``None`` leaves stay ``None``); it runs once, at ``init``, on zeros sharded like
+    the parameters. So ``init`` returns the sharding (and sharding type) that ``update``
+    returns: no second compilation, and ``lax.scan`` accepts the state as a carry.
+    """
+    zeros = jax.tree.map(lambda x: _zero_from(x) if norms.is_float(x) else x, params)
+    measured = measure(zeros)
+    return jax.tree.map(
+        lambda v: _zero_from(v.astype(jnp.float32)) > 0 if v.dtype == jnp.bool_
+        else _zero_from(v), measured)
 
 
 def count_nonfinite(nonfinite: jax.Array, finite: jax.Array) -> jax.Array:

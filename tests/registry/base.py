@@ -30,6 +30,11 @@ class Entry:
     has_stats: ``optclip.stats`` reports at least one entry for its state.
     tree: makes the gradient tree (``dtype, seed -> tree``).
     rtol: tolerance for jit == eager and sharded == unsharded.
+    axis_make: builds the transform with ``axis_name`` (``axis_name -> transform``), configured
+      so that its statistics reduce over axis 0 of every leaf (the axis ``shard_map`` splits);
+      ``None`` for transforms without ``axis_name``.
+    ones_norm: the global norm of the output for ``ones(8, 4)`` on the first step, for the
+      transforms that act on the global norm then (``None``: not checked).
     """
 
     name: str
@@ -39,6 +44,8 @@ class Entry:
     has_stats: bool = True
     tree: Callable[..., Any] = default_tree
     rtol: float = 1e-5
+    axis_make: Callable[[Any], optax.GradientTransformation] | None = None
+    ones_norm: float | None = None
 
     def __str__(self) -> str:
         return self.name

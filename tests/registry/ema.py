@@ -10,11 +10,14 @@ _NORM_BAD_ARGS = (({"beta": 1.5}, "beta"), ({"ord": "l7"}, "ord"), ({"eps": -1.0
 
 ENTRIES = [
     Entry("clip_norm_by_ema", lambda: optclip.clip_norm_by_ema(beta=0.5, ord="std"),
+          axis_make=lambda a: optclip.clip_norm_by_ema(beta=0.5, ord="std", axis_name=a),
           bad_args=_NORM_BAD_ARGS),
     Entry("normalize_by_ema", lambda: optclip.normalize_by_ema(beta=0.9, tensorwise=False),
+          axis_make=lambda a: optclip.normalize_by_ema(beta=0.9, tensorwise=False, axis_name=a),
           bad_args=_NORM_BAD_ARGS),
     Entry("clip_value_by_ema",
           lambda: optclip.clip_value_by_ema(beta=0.5, ema_transform=optax.scale(2.0)),
+          axis_make=lambda a: optclip.clip_value_by_ema(beta=0.5, axis_name=a),
           bad_args=(({"beta": -0.1}, "beta"), ({"ema_init": 1.0}, "ema_init"),
                     ({"ema_transform": lambda x: x}, "ema_transform"))),
 ]

@@ -1,0 +1,225 @@
+"""Sharding: shard_map/pmap with ``axis_name``, explicit and automatic meshes, state shardings,
+scan carries, collectives in the compiled HLO, and a two-process run."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+import optclip
+
+P = PartitionSpec
+
+
+def _norm(tree) -> float:
+    """Global L2 norm on the host (the arrays may carry shardings of different meshes)."""
+    return float(np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64)))
+                             for x in jax.tree.leaves(tree))))
+
+
+def _mesh(shape, names, axis_type):
+    kind = jax.sharding.AxisType.Explicit if axis_type == "explicit" else jax.sharding.AxisType.Auto
+    return jax.make_mesh(shape, names, axis_types=(kind,) * len(shape))
+
+
+def test_pmap_combines_every_leaf_across_the_named_axis():
+    """pmap does not track replication: every leaf counts as split, as documented."""
+    tx = optclip.clip_by_global_norm(1.0, axis_name="i")
+
+    def step(g):
+        out, state = tx.update(g, tx.init(g))
+        return out, state.norm
+
+    out, norm = jax.pmap(step, axis_name="i")({"w": jnp.ones((8, 4))})
+    np.testing.assert_allclose(np.asarray(norm), np.sqrt(32.0), rtol=1e-6)
+    np.testing.assert_allclose(_norm(out), 1.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_shard_map_replicated_leaf_counted_once_only_where_jax_tracks_it(check_vma):
+    """With ``check_vma`` a replicated leaf is counted once; without it every leaf is split."""
+    tx = optclip.clip_by_global_norm(1.0, axis_name="x")
+    mesh = _mesh((8,), ("x",), "auto")
+
+    def norm(g):
+        return tx.update(g, tx.init(g))[1].norm
+
+    mapped = jax.shard_map(norm, mesh=mesh, in_specs=({"w": P("x"), "b": P()},),
+                           out_specs=P(), check_vma=check_vma)
+    got = float(jax.jit(mapped)({"w": jnp.ones((8, 4)), "b": jnp.ones(4)}))
+    expected = np.sqrt(32.0 + 4.0) if check_vma else np.sqrt(32.0 + 8 * 4.0)
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+def test_two_dimensional_mesh_axis_name_tuple():
+    mesh = _mesh((2, 4), ("data", "model"), "auto")
+    tx = optclip.clip_by_global_norm(1.0, axis_name=("data", "model"))
+
+    def step(g):
+        out, state = tx.update(g, tx.init(g))
+        return out, state.norm
+
+    g = {"w": jnp.ones((8, 4)), "v": jnp.ones((4, 8))}
+    specs = {"w": P("data", "model"), "v": P(None, "model")}
+    out, norm = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs,),
+                                      out_specs=(specs, P())))(g)
+    np.testing.assert_allclose(float(norm), np.sqrt(64.0), rtol=1e-6)
+    np.testing.assert_allclose(_norm(out), 1.0, rtol=1e-6)
+
+
+def test_bad_axis_name_rejected_at_construction():
+    with pytest.raises(TypeError, match="axis_name"):
+        optclip.clip_by_global_norm(1.0, axis_name=3)
+    with pytest.raises(TypeError, match="axis_name"):
+        optclip.zclip(axis_name=("x", None))
+
+
+# ---------------------------------------------------------------------------------------------
+# Under jit on sharded arrays (GSPMD): scan carries and the collectives XLA emits.
+
+def _tree(seed):
+    rng = np.random.default_rng(seed)
+    return {"w": jnp.asarray(rng.normal(size=(8, 8)), jnp.float32),
+            "b": jnp.asarray(rng.normal(size=(8,)), jnp.float32)}
+
+
+SPECS_2D = {"w": P("d", "m"), "b": P("m")}
+
+
+def _place(tree, mesh, specs):
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: optclip.clip_norm(1.0, dim=1),
+    lambda: optclip.top_q(0.5),
+    lambda: optclip.clip_norm_by_ema(beta=0.5),
+    lambda: optclip.zclip(warmup_steps=2),
+], ids=["clip_norm_dim1", "top_q", "clip_norm_by_ema", "zclip"])
+def test_lax_scan_carries_the_state_on_an_explicit_2d_mesh(make):
+    tx = make()
+    mesh = _mesh((2, 4), ("d", "m"), "explicit")
+    steps = [_tree(s) for s in range(3)]
+    expected_state = tx.init(steps[0])
+    expected = []
+    for g in steps:
+        out, expected_state = tx.update(g, expected_state)
+        expected.append(out)
+    with jax.set_mesh(mesh):
+        stacked = _place(jax.tree.map(lambda *xs: jnp.stack(xs), *steps), mesh,
+                         jax.tree.map(lambda s: P(None, *s), SPECS_2D))
+        state = jax.jit(tx.init)(_place(steps[0], mesh, SPECS_2D))
+
+        @jax.jit
+        def run(state, grads):
+            return jax.lax.scan(lambda s, g: tx.update(g, s)[::-1], state, grads)
+
+        state, outs = run(state, stacked)
+    for i, out in enumerate(expected):
+        chex.assert_trees_all_close(jax.tree.map(lambda x: x[i], outs), out, rtol=1e-5,
+                                    atol=1e-6)
+    chex.assert_trees_all_close(state, expected_state, rtol=1e-5, atol=1e-6)
+
+
+def _collectives(hlo: str) -> dict[str, list[str]]:
+    """Result shapes of every cross-device collective in an optimized HLO module."""
+    found: dict[str, list[str]] = {}
+    for line in hlo.splitlines():
+        for op in ("all-reduce", "all-gather", "all-to-all", "collective-permute",
+                   "reduce-scatter"):
+            if f" {op}(" in line or f" {op}-start(" in line:
+                found.setdefault(op, []).append(line.split("=", 1)[1].split(op)[0].strip())
+    return found
+
+
+@pytest.mark.parametrize("make", [
+    lambda: optclip.clip_by_global_norm(1.0),
+    lambda: optclip.normalize(dim="global"),
+    lambda: optclip.clip_norm(1.0),
+    lambda: optclip.zclip(),
+    lambda: optclip.hist_clip(),
+    lambda: optclip.quantile_clip(global_threshold=True, history_length=8),
+    lambda: optclip.clip_norm_by_ema(tensorwise=False),
+    lambda: optclip.clip_norm_growth(parameterwise=False),
+], ids=["clip_by_global_norm", "normalize_global", "clip_norm", "zclip", "hist_clip",
+        "quantile_clip", "clip_norm_by_ema", "clip_norm_growth"])
+def test_global_clippers_exchange_only_scalars(make):
+    """FSDP and TP on a 2-D mesh under jit: only scalar all-reduces, nothing gathered."""
+    tx = make()
+    mesh = _mesh((2, 4), ("d", "m"), "auto")
+    with jax.set_mesh(mesh):
+        g = _place(_tree(0), mesh, SPECS_2D)
+        state = jax.jit(tx.init)(g)
+        hlo = jax.jit(tx.update).lower(g, state).compile().as_text()
+    found = _collectives(hlo)
+    assert set(found) <= {"all-reduce"}, found
+    assert found.get("all-reduce"), "the global statistic must be combined across devices"
+    for shape in found["all-reduce"]:
+        assert all(part.strip().endswith("[]") or "[]" in part for part in shape.split(",")), (
+            shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Two processes x 4 CPU devices (jax.distributed on localhost, gloo collectives).
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_processes_match_the_single_process_run(tmp_path):
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    from tests import distributed_worker as worker
+
+    if not hasattr(jax.config, "jax_cpu_collectives_implementation"):
+        pytest.skip("this jax has no CPU cross-process collectives (gloo)")
+    out = tmp_path / "results.npz"
+    port = str(_free_port())
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    env.pop("XLA_FLAGS", None)
+    procs = [subprocess.Popen([sys.executable, str(root / "tests" / "distributed_worker.py"),
+                               port, str(i), str(out)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    logs = []
+    try:
+        for proc in procs:
+            logs.append(proc.communicate(timeout=180)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    if any("gloo" in log.lower() and "not" in log.lower() and proc.returncode
+           for log, proc in zip(logs, procs)):
+        pytest.skip(f"no gloo cross-process collectives on this platform: {logs[0][-500:]}")
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+
+    mesh = _mesh((8,), ("x",), "auto")
+    expected = worker.run(mesh, lambda tree: jax.tree.map(
+        lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, worker.SPECS))
+    got = dict(np.load(out))
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        np.testing.assert_allclose(got[key], np.asarray(value), rtol=1e-5, atol=1e-6,
+                                   err_msg=key)
+
+
+def test_axis_name_outside_shard_map_changes_nothing():
+    """Unbound axis names (global arrays, e.g. init before shard_map): nothing to combine."""
+    g = {"w": jnp.arange(12.0).reshape(3, 4), "b": jnp.ones(4)}
+    for make in (lambda a: optclip.clip_by_global_norm(1.0, axis_name=a),
+                 lambda a: optclip.clip_norm_by_ema(beta=0.5, axis_name=a)):
+        with_axis, without = make("x"), make(None)
+        got = jax.jit(with_axis.update)(g, with_axis.init(g))
+        expected = without.update(g, without.init(g))
+        chex.assert_trees_all_close(got, expected, rtol=1e-6)
