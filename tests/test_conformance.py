@@ -96,6 +96,12 @@ def test_chain_with_adam_in_a_jitted_train_step(entry):
     assert bool(logged) == entry.has_stats
 
 
+def _own_state(state):
+    """The transform's own state: a wrapper's ``inner`` state belongs to the wrapped optax
+    optimizer, which follows optax's rules (dtype, and the shardings ``jax.jit(init)`` gives)."""
+    return state._replace(inner=None) if hasattr(state, "inner") else state
+
+
 @entries
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_low_precision_dtype_kept_and_statistics_wide(entry, dtype):
@@ -105,10 +111,9 @@ def test_low_precision_dtype_kept_and_statistics_wide(entry, dtype):
     for out, g in zip(outs, _grads(entry, dtype)):
         chex.assert_trees_all_equal_dtypes(out, g)
         assert all(np.all(np.isfinite(np.asarray(x, np.float32))) for x in jax.tree.leaves(out))
-    # A wrapper's `inner` state belongs to the wrapped optimizer (optax.adam keeps its moments
-    # in the parameters' dtype); the wrapper's own statistics must be wide.
-    own = state._replace(inner=None) if hasattr(state, "inner") else state
-    for leaf in _float_leaves(own):
+    # The wrapper's own statistics must be wide (optax.adam keeps its moments in the
+    # parameters' dtype).
+    for leaf in _float_leaves(_own_state(state)):
         assert jnp.asarray(leaf).dtype not in (jnp.bfloat16, jnp.float16), "narrow statistics"
 
 
@@ -192,6 +197,7 @@ def test_sharded_run_matches_unsharded(entry, layout, axis_type):
     chex.assert_trees_all_close(sharded_state, plain_state, rtol=entry.rtol, atol=1e-6)
     for out, g in zip(jax.tree.leaves(sharded_out[-1]), jax.tree.leaves(sharded_grads[-1])):
         assert out.sharding.is_equivalent_to(g.sharding, g.ndim), (out.sharding, g.sharding)
+    init_state, sharded_state = _own_state(init_state), _own_state(sharded_state)
     for before, after in zip(jax.tree.leaves(init_state), jax.tree.leaves(sharded_state)):
         assert before.sharding.is_equivalent_to(after.sharding, before.ndim), (
             before.sharding, after.sharding)
