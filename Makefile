@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: demo test docs bench lint clean
+.PHONY: demo test docs bench bench-docs lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,8 +29,14 @@ test: $(VENV)/.installed-test
 docs: $(VENV)/.installed-test
 	$(BIN)/mkdocs build --strict --site-dir site
 
+# Every transform: compile and step ratios against adam, state bytes; writes
+# benchmarks/results.json and (full runs) docs/benchmarks.md. BENCH_ARGS=--quick for a smoke run.
 bench: $(VENV)/.installed-test
 	$(BIN)/python benchmarks/bench_clip.py $(BENCH_ARGS)
+
+# Rebuild docs/benchmarks.md from the last benchmarks/results.json.
+bench-docs: $(VENV)/.installed-test
+	$(BIN)/python benchmarks/bench_clip.py --render benchmarks/results.json
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check optclip tests benchmarks
