@@ -231,12 +231,12 @@ def _normalized(g: jax.Array, ord: float, axes: tuple[int, ...], eps: Any
     biggest = jnp.max(jnp.abs(wide), axis=axes, keepdims=True, initial=0)
     rescale = ((norm < low) | (norm >= 1 / tiny)) & (biggest > 0) & jnp.isfinite(biggest)
     # Scale by 2**-e (exact) in two halves, so that neither factor is subnormal or infinite.
-    shift = jnp.where(rescale, -jnp.frexp(biggest)[1], 0)
-    half = jnp.ldexp(jnp.ones((), wide.dtype), shift // 2)
-    unit = wide * half * half * jnp.ldexp(jnp.ones((), wide.dtype), shift % 2)
+    shift = jnp.where(rescale, -norms.binary_exponent(biggest), 0)
+    half = norms.pow2(shift >> 1, wide.dtype)
+    unit = wide * half * half * norms.pow2(shift & 1, wide.dtype)
     denom = jnp.where(rescale, norms.slice_norm(unit, ord, axes), jnp.maximum(norm, eps))
     out = unit / jnp.where(denom == 0, 1, denom)
-    return out, jnp.where(rescale, jnp.ldexp(denom, -shift), norm)
+    return out, jnp.where(rescale, norms.ldexp(denom, -shift), norm)
 
 
 def _explicit_sharding(x: jax.Array):
