@@ -273,16 +273,25 @@ def _slice_mask(mask: jax.Array, like: jax.Array) -> jax.Array:
     return mask if sharding is None else jax.sharding.reshard(mask, sharding)
 
 
-def _ranks(g: jax.Array, axes: tuple[int, ...]) -> jax.Array:
-    """Rank of every entry by descending ``|g|`` within its slice, shape ``(*batch, D)``.
+def _top_k_mask(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array) -> jax.Array:
+    """Whether each entry is among the ``k`` largest ``|g|`` of its slice, shape ``(*batch, D)``.
 
     Stable: ties go to the lowest index first (torch.topk breaks them arbitrarily: spec §6 D6);
-    NaN ranks as the largest (it is kept, as in the reference: §2.5).
+    NaN ranks as the largest (it is kept, as in the reference: §2.5). One sort of
+    ``(-|g|, index)`` per slice finds the ``k``-th entry; an entry is kept when it comes before
+    it in that order (no second sort to rank every entry).
     """
     magnitude = jnp.abs(_slice_rows(g, axes))
     magnitude = jnp.where(jnp.isnan(magnitude), jnp.inf, magnitude)
-    order = jnp.argsort(-magnitude, axis=-1, stable=True)
-    return jnp.argsort(order, axis=-1, stable=True)
+    if magnitude.shape[-1] == 0:
+        return jnp.zeros(magnitude.shape, bool)
+    index = jax.lax.broadcasted_iota(jnp.int32, magnitude.shape, magnitude.ndim - 1)
+    keys, order = jax.lax.sort((-magnitude, index), dimension=magnitude.ndim - 1, num_keys=2)
+    at = jnp.clip(jnp.asarray(k) - 1, 0, magnitude.shape[-1] - 1)
+    last = -jax.lax.dynamic_index_in_dim(keys, at, axis=-1)
+    last_index = jax.lax.dynamic_index_in_dim(order, at, axis=-1)
+    keep = (magnitude > last) | ((magnitude == last) & (index <= last_index))
+    return keep & (k > 0)
 
 
 def _static_k(q: float, size: int) -> int:
@@ -304,7 +313,7 @@ def _top_q_kept(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array) -> jax.
             return jnp.zeros_like(g)
         if k >= size:
             return g
-    keep = _slice_mask(_ranks(g, axes) < k, g)
+    keep = _slice_mask(_top_k_mask(g, axes, k), g)
     return jnp.where(keep, g, jnp.zeros_like(g))
 
 
