@@ -181,8 +181,19 @@ def gather_scalars(partials: list[jax.Array]) -> jax.Array:
     Writing the scalars into a vector with one scatter, an operation XLA neither rewrites nor
     duplicates, keeps the combination a single reduction whose result each leaf reads.
     """
-    values = jnp.stack([jnp.asarray(p) for p in partials])
-    return jnp.zeros_like(values).at[jnp.arange(len(partials))].set(
+    return computed_once(jnp.stack([jnp.asarray(p) for p in partials]))
+
+
+def computed_once(values: jax.Array) -> jax.Array:
+    """``values`` (a small array of per-leaf values) copied by one scatter along axis 0.
+
+    XLA neither rewrites nor duplicates the scatter, so the computation behind ``values`` runs
+    once, and the per-leaf computations that read ``values[i]`` do not each get a copy of it
+    (see :func:`gather_scalars`).
+    """
+    if values.ndim == 0 or values.shape[0] == 0:
+        return values
+    return jnp.zeros_like(values).at[jnp.arange(values.shape[0])].set(
         values, indices_are_sorted=True, unique_indices=True)
 
 
