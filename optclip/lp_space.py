@@ -286,10 +286,16 @@ def _top_k_mask(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array) -> jax.
     if magnitude.shape[-1] == 0:
         return jnp.zeros(magnitude.shape, bool)
     index = jax.lax.broadcasted_iota(jnp.int32, magnitude.shape, magnitude.ndim - 1)
-    keys, order = jax.lax.sort((-magnitude, index), dimension=magnitude.ndim - 1, num_keys=2)
-    at = jnp.clip(jnp.asarray(k) - 1, 0, magnitude.shape[-1] - 1)
-    last = -jax.lax.dynamic_index_in_dim(keys, at, axis=-1)
-    last_index = jax.lax.dynamic_index_in_dim(order, at, axis=-1)
+    if isinstance(k, int) and 0 < k < magnitude.shape[-1]:
+        # top_k orders equal values by index too, and needs no full sort.
+        values, order = jax.lax.top_k(magnitude, k)
+        last, last_index = values[..., -1:], order[..., -1:]
+    else:
+        keys, order = jax.lax.sort((-magnitude, index), dimension=magnitude.ndim - 1,
+                                   num_keys=2)
+        at = jnp.clip(jnp.asarray(k) - 1, 0, magnitude.shape[-1] - 1)
+        last = -jax.lax.dynamic_index_in_dim(keys, at, axis=-1)
+        last_index = jax.lax.dynamic_index_in_dim(order, at, axis=-1)
     keep = (magnitude > last) | ((magnitude == last) & (index <= last_index))
     return keep & (k > 0)
 
