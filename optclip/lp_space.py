@@ -285,7 +285,9 @@ def _top_k_mask(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array) -> jax.
     magnitude = jnp.where(jnp.isnan(magnitude), jnp.inf, magnitude)
     if magnitude.shape[-1] == 0:
         return jnp.zeros(magnitude.shape, bool)
-    index = jax.lax.broadcasted_iota(jnp.int32, magnitude.shape, magnitude.ndim - 1)
+    # Built from a zeros_like so that it carries the slices' sharding under an explicit mesh.
+    index = jnp.zeros_like(magnitude, jnp.int32) + jnp.arange(magnitude.shape[-1],
+                                                               dtype=jnp.int32)
     if isinstance(k, int) and 0 < k < magnitude.shape[-1]:
         # top_k orders equal values by index too, and needs no full sort.
         values, order = jax.lax.top_k(magnitude, k)
