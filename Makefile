@@ -11,7 +11,7 @@ FLOOR_PYTEST_ARGS ?= --ignore=tests/test_notebooks.py --ignore=tests/test_docs_e
 	--ignore=tests/test_docs_site.py
 LINTED := optclip tests benchmarks examples
 
-.PHONY: demo test docs bench lint clean
+.PHONY: demo test docs bench bench-docs lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -54,8 +54,14 @@ test: $(VENV)/.installed-test $(FLOOR)/.installed
 docs: $(VENV)/.installed-test
 	$(BIN)/mkdocs build --strict --site-dir site
 
+# Every transform: compile and step ratios against adam, state bytes; writes
+# benchmarks/results.json and (full runs) docs/benchmarks.md. BENCH_ARGS=--quick for a smoke run.
 bench: $(VENV)/.installed-test
 	$(BIN)/python benchmarks/bench_clip.py $(BENCH_ARGS)
+
+# Rebuild docs/benchmarks.md from the last benchmarks/results.json.
+bench-docs: $(VENV)/.installed-test
+	$(BIN)/python benchmarks/bench_clip.py --render benchmarks/results.json
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check $(LINTED)

@@ -1,24 +1,42 @@
-"""Global-norm clipping at the memory-bandwidth limit, and compile time on many leaves.
+"""Compile time, step time and state memory of every optclip transform, against optax.adam.
 
-Run with ``make bench`` (or ``python benchmarks/bench_clip.py --quick`` for a small tree). Prints
-ratio tables measured in one run, on whatever device JAX uses:
+Run with ``make bench`` (``python benchmarks/bench_clip.py``); ``--quick`` uses small trees,
+``--only NAME ...`` a subset, ``--leaves 32,256`` other leaf counts. Measured in one process, on
+whatever device JAX uses:
 
 1. ``optclip.clip_by_global_norm`` vs ``optax.clip_by_global_norm`` vs a streaming baseline (one
-   read pass for the norm, one in-place scale pass) on a GPT-2-small-shaped gradient tree
-   (124M float32 parameters in 148 leaves), buffers donated;
-2. ``chain(clip, adam)`` vs ``adam`` alone, for optclip and optax;
-3. compile time of ``chain(optclip.clip_by_global_norm, adam)`` vs ``adam`` alone (and optax's
-   chain) on a tree of 2000 small leaves.
+   read pass for the norm, one in-place scale pass) on a GPT-2-small-shaped gradient tree (124M
+   float32 parameters in 148 leaves, buffers donated), and the same inside ``chain(clip, adam)``.
+2. For every public transform, in a default construction as a new user would write it:
 
-Targets (issue 2): optclip <= 1.05x optax and <= 1.10x the streaming baseline; chain/adam <= 1.07;
-compile time of the optclip chain <= 1.5x adam alone.
+   * compile ratio: ``jit(chain(T, adam).update)`` lowered and compiled, over ``adam`` alone
+     compiled right before it, on trees of 32, 256 and 2000 small float32 leaves (shapes
+     (64, 32), (32,), (32, 64), (64,) repeated). The largest count is measured only for the
+     transforms named by ``--big-only`` (one 2000-leaf compile takes ~0.5-1 min on 2 cores);
+   * step ratio: ``chain(T, adam)`` over ``adam`` per step on the GPT-2-small tree, buffers
+     donated, median over interleaved rounds (adam and the chain alternate);
+   * floor: the memory-traffic floor of that ratio. ``adam`` moves 6 buffers the size of the
+     parameters per step (reads g, m, v; writes m, v, u); a transform adds the extra passes it
+     cannot fuse away (a norm needs one more read of g, a projection reads the parameters) plus
+     one read and one write of each per-element state buffer: ``1 + (passes + 2 * state) / 6``;
+   * state: bytes of the transform's state per parameter byte.
+
+Prints one table, writes it as JSON (``--json``), and renders ``docs/benchmarks.md`` from it
+(``--docs``; by default only for a full run). ``--render`` rebuilds the page from a JSON file
+without measuring anything.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import os
+import platform
 import statistics
+import sys
 import time
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +44,65 @@ import optax
 
 import optclip
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ADAM_PASSES = 6
+COMPILE_SHAPES = ((64, 32), (32,), (32, 64), (64,))
+
+
+@dataclass(frozen=True)
+class Case:
+    """One public transform: how a new user builds it and what its step cannot avoid."""
+
+    construction: str          # the expression, evaluated with ``optclip`` in scope
+    passes: int                # extra passes over a parameter-sized buffer (besides state)
+    note: str
+
+
+CASES: dict[str, Case] = {
+    "clip_value": Case("optclip.clip_value(1.0)", 0, "elementwise"),
+    "clip_norm": Case("optclip.clip_norm(1.0)", 1, "per-leaf norm"),
+    "clip_by_global_norm": Case("optclip.clip_by_global_norm(1.0)", 1, "global norm"),
+    "normalize": Case("optclip.normalize()", 1, "per-leaf norm"),
+    "centralize": Case("optclip.centralize()", 1, "per-leaf mean"),
+    "zscore_normalize": Case("optclip.zscore_normalize()", 2, "per-leaf mean, then std"),
+    "clip_norm_by_ema": Case("optclip.clip_norm_by_ema()", 1, "per-leaf norms; EMA of g"),
+    "normalize_by_ema": Case("optclip.normalize_by_ema()", 1, "per-leaf norms; EMA of g"),
+    "clip_value_by_ema": Case("optclip.clip_value_by_ema()", 0, "elementwise; EMA of |g|"),
+    "clip_value_growth": Case("optclip.clip_value_growth()", 0, "elementwise; previous update"),
+    "clip_norm_growth": Case("optclip.clip_norm_growth()", 1, "per-leaf norm"),
+    "hist_clip": Case("optclip.hist_clip()", 1, "global norm"),
+    "param_hist_clip": Case("optclip.param_hist_clip()", 1, "per-leaf norms"),
+    "zclip": Case("optclip.zclip()", 1, "global norm"),
+    "quantile_clip": Case("optclip.quantile_clip()", 1, "per-leaf norms"),
+    "standard_clip": Case("optclip.standard_clip()", 1, "per-leaf norms"),
+    "sign": Case("optclip.sign()", 0, "elementwise"),
+    "l1_normalize": Case("optclip.l1_normalize()", 1, "per-row norm"),
+    "l2_normalize": Case("optclip.l2_normalize()", 1, "per-row norm"),
+    "top_q": Case("optclip.top_q(q=0.3)", 1, "per-row sort (compute-bound)"),
+    "l1q_normalize": Case("optclip.l1q_normalize(q=0.3)", 1, "per-row sort (compute-bound)"),
+    "clamp": Case("optclip.clamp(-1.0, 1.0)", 0, "elementwise"),
+    "project_l2_ball": Case("optclip.project_l2_ball(epsilon=1.0)", 4,
+                            "reads params twice and u again (per-row norm of params + u)"),
+    "project_linf_ball": Case("optclip.project_linf_ball(epsilon=1.0)", 1, "reads params"),
+    "clamp_params": Case("optclip.clamp_params(-1.0, 1.0)", 1, "reads params"),
+    "frank_wolfe": Case("optclip.frank_wolfe()", 1, "reads params"),
+    "l1_frank_wolfe": Case("optclip.l1_frank_wolfe(epsilon=1.0)", 2,
+                           "per-row argmax; reads params"),
+    "l2_frank_wolfe": Case("optclip.l2_frank_wolfe(epsilon=1.0)", 2,
+                           "per-row norm; reads params"),
+    "linf_frank_wolfe": Case("optclip.linf_frank_wolfe(epsilon=1.0)", 1, "reads params"),
+    "l1q_frank_wolfe": Case("optclip.l1q_frank_wolfe(q=0.3, epsilon=1.0)", 2,
+                            "per-row sort; reads params"),
+}
+BIG_ONLY = ("clip_by_global_norm", "clip_norm_by_ema")
+
+
+def make(case: Case) -> optax.GradientTransformation:
+    return eval(case.construction, {"optclip": optclip})  # noqa: S307 (our own table)
+
+
+# ---------------------------------------------------------------------------------------------
+# Trees.
 
 def gpt2_small_shapes(width: int = 768, layers: int = 12, vocab: int = 50257, context: int = 1024):
     shapes = {"wte": (vocab, width), "wpe": (context, width)}
@@ -47,8 +124,71 @@ def make_tree(shapes, seed=0, scale=1e-3):
             for k, (name, shape) in zip(keys, shapes.items())}
 
 
+def compile_tree(leaves: int):
+    """``leaves`` small float32 leaves (shapes and dtypes only: nothing is allocated)."""
+    return {f"p{i:04d}": jax.ShapeDtypeStruct(COMPILE_SHAPES[i % len(COMPILE_SHAPES)],
+                                              jnp.float32) for i in range(leaves)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurements.
+
+def compile_seconds(tx: optax.GradientTransformation, tree) -> float:
+    """Seconds to lower and compile ``jit(tx.update)`` (params passed: projections need them)."""
+    state = jax.eval_shape(tx.init, tree)
+    start = time.perf_counter()
+    jax.jit(tx.update).lower(tree, state, tree).compile()
+    return time.perf_counter() - start
+
+
+class Stepper:
+    """A jitted ``update`` with donated gradients and state, compiled once, stepped on demand."""
+
+    def __init__(self, tx: optax.GradientTransformation, params, grads):
+        self.params = params
+        # Copies: an init may hand out one zeros buffer twice, which cannot be donated twice.
+        self.state = jax.tree.map(jnp.copy, tx.init(params))
+        self.grads = jax.tree.map(jnp.copy, grads)
+        self.step = jax.jit(lambda g, s, p: tx.update(g, s, p), donate_argnums=(0, 1))
+        start = time.perf_counter()
+        self._one()                                       # compile
+        self.compile_s = time.perf_counter() - start
+        self.first_s = self._one()                        # warm up
+
+    def _one(self) -> float:
+        start = time.perf_counter()
+        self.grads, self.state = self.step(self.grads, self.state, self.params)
+        jax.block_until_ready((self.grads, self.state))
+        return time.perf_counter() - start
+
+    def run(self, steps: int) -> list[float]:
+        return [self._one() for _ in range(steps)]
+
+
+def interleaved(steppers: dict[str, Stepper], rounds: int, steps: int) -> dict[str, float]:
+    """Median seconds per step of each stepper over ``rounds`` alternating rounds."""
+    times: dict[str, list[float]] = {name: [] for name in steppers}
+    for _ in range(rounds):
+        for name, stepper in steppers.items():
+            times[name] += stepper.run(steps)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def state_per_param_byte(tx: optax.GradientTransformation, params) -> float:
+    state = jax.eval_shape(tx.init, params)
+    state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    return state_bytes / param_bytes
+
+
+def floor(case: Case, state_ratio: float) -> float:
+    """Memory-traffic floor of ``chain(T, adam) / adam``; per-element state only (not scalars)."""
+    per_element = round(state_ratio, 1)
+    return 1 + (case.passes + 2 * per_element) / ADAM_PASSES
+
+
 def streaming_clip(max_norm: float):
-    """The floor: one read pass for the sum of squares, one scale pass."""
+    """The floor of global-norm clipping: one read pass for the sum of squares, one scale pass."""
     def update(grads, state, params=None):
         total = sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))
         factor = jnp.minimum(1.0, max_norm / jnp.sqrt(total))
@@ -56,91 +196,293 @@ def streaming_clip(max_norm: float):
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
-def timed_steps(tx, params, grads, repeats):
-    """Median seconds per ``update`` with the gradients and state donated."""
-    state = tx.init(params)
-    step = jax.jit(lambda g, s, p: tx.update(g, s, p), donate_argnums=(0, 1))
-    grads = jax.tree.map(jnp.copy, grads)
-    for _ in range(2):                                   # compile and warm up
-        grads, state = step(grads, state, params)
-    jax.block_until_ready(grads)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        grads, state = step(grads, state, params)
-        jax.block_until_ready((grads, state))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def compile_seconds(tx, params):
-    state = tx.init(params)
-    start = time.perf_counter()
-    jax.jit(tx.update).lower(params, state, params).compile()
-    return time.perf_counter() - start
-
-
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="a GPT-2 tree 1/4 the width and 200 leaves for compile time")
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--compile-leaves", type=int, default=2000)
-    parser.add_argument("--skip-compile", action="store_true")
-    args = parser.parse_args()
-
-    width = 192 if args.quick else 768
-    shapes = gpt2_small_shapes(width=width, vocab=50257 // (4 if args.quick else 1))
-    params = make_tree(shapes, seed=1)
-    grads = make_tree(shapes, seed=2, scale=1.0)          # global norm >> 1: clipping is active
-    count = sum(x.size for x in jax.tree.leaves(params))
-    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), "
-          f"{len(shapes)} leaves, {count / 1e6:.1f}M float32 parameters\n")
-
-    clippers = {
+def global_norm_comparison(params, grads, rounds: int, steps: int) -> dict:
+    contenders = {
         "streaming baseline": streaming_clip(1.0),
         "optax.clip_by_global_norm": optax.clip_by_global_norm(1.0),
         "optclip.clip_by_global_norm": optclip.clip_by_global_norm(1.0),
-    }
-    chains = {
         "adam alone": optax.adam(1e-3),
         "optax chain(clip, adam)": optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
         "optclip chain(clip, adam)": optax.chain(optclip.clip_by_global_norm(1.0),
                                                  optax.adam(1e-3)),
     }
-    # Interleave the rounds so that drifting machine load hits every contender alike.
-    results: dict[str, list[float]] = {name: [] for name in {**clippers, **chains}}
-    for _ in range(3):
-        for name, tx in {**clippers, **chains}.items():
-            results[name].append(timed_steps(tx, params, grads, args.repeats))
-    best = {name: min(times) for name, times in results.items()}
+    steppers = {name: Stepper(tx, params, grads) for name, tx in contenders.items()}
+    ms = {name: t * 1e3 for name, t in interleaved(steppers, rounds, steps).items()}
+    return {
+        "ms": ms,
+        "optclip_vs_optax": ms["optclip.clip_by_global_norm"] / ms["optax.clip_by_global_norm"],
+        "optclip_vs_streaming": ms["optclip.clip_by_global_norm"] / ms["streaming baseline"],
+        "optax_chain_vs_adam": ms["optax chain(clip, adam)"] / ms["adam alone"],
+        "optclip_chain_vs_adam": ms["optclip chain(clip, adam)"] / ms["adam alone"],
+    }
 
-    gib = count * 4 / 2**30
-    print(f"{'clip step':34s} {'ms':>9s} {'GiB/s*':>8s} {'vs optax':>9s} {'vs stream':>10s}")
-    for name in clippers:
-        t = best[name]
-        vs_optax = t / best["optax.clip_by_global_norm"]
-        vs_stream = t / best["streaming baseline"]
-        print(f"{name:34s} {t * 1e3:9.2f} {3 * gib / t:8.1f} {vs_optax:9.3f} {vs_stream:10.3f}")
-    print("* counted as 3 passes over the gradients (read, read, write)\n")
-    print(f"{'optimizer step':34s} {'ms':>9s} {'vs adam':>9s}")
-    for name in chains:
-        print(f"{name:34s} {best[name] * 1e3:9.2f} {best[name] / best['adam alone']:9.3f}")
 
-    if not args.skip_compile:
-        leaves = 200 if args.quick else args.compile_leaves
-        many = {f"p{i}": jnp.ones((8, 8 + i % 7), jnp.float32) for i in range(leaves)}
-        contenders = {
-            "adam alone": optax.adam(1e-3),
-            "optax chain(clip, adam)": optax.chain(optax.clip_by_global_norm(1.0),
-                                                   optax.adam(1e-3)),
-            "optclip chain(clip, adam)": optax.chain(optclip.clip_by_global_norm(1.0),
-                                                     optax.adam(1e-3)),
-        }
-        seconds = {name: compile_seconds(tx, many) for name, tx in contenders.items()}
-        print(f"\ncompile time, {leaves} leaves{'':12s} {'s':>9s} {'vs adam':>9s}")
-        for name, s in seconds.items():
-            print(f"{name:34s} {s:9.2f} {s / seconds['adam alone']:9.3f}")
+def measure_transform(name: str, case: Case, args, params, grads, adam: Stepper) -> dict:
+    row: dict = {"name": name, "construction": case.construction, "note": case.note,
+                 "compile": {}, "compile_s": {}, "adam_compile_s": {}}
+    for leaves in args.leaves:
+        if leaves > args.all_up_to and name not in args.big_only:
+            continue
+        tree = compile_tree(leaves)
+        base = compile_seconds(optax.adam(1e-3), tree)
+        chained = compile_seconds(optax.chain(make(case), optax.adam(1e-3)), tree)
+        row["compile"][str(leaves)] = chained / base
+        row["compile_s"][str(leaves)] = chained
+        row["adam_compile_s"][str(leaves)] = base
+    state_ratio = state_per_param_byte(make(case), params)
+    row["state_bytes_per_param_byte"] = state_ratio
+    row["floor"] = floor(case, state_ratio)
+    if not args.skip_step:
+        chain = Stepper(optax.chain(make(case), optax.adam(1e-3)), params, grads)
+        if chain.first_s > args.slow_step:
+            # Far from the targets (sorting on a CPU): one warm step against adam's median.
+            medians = {"adam": statistics.median(adam.run(args.steps)), "chain": chain.first_s}
+            row["step_note"] = "one warm step (slow)"
+        else:
+            # A slowish step gets fewer steps per round, never fewer rounds.
+            steps = max(1, min(args.steps, int(args.step_budget / max(chain.first_s, 1e-6))))
+            medians = interleaved({"adam": adam, "chain": chain}, args.rounds, steps)
+        row["step_ratio"] = medians["chain"] / medians["adam"]
+        row["step_ms"] = medians["chain"] * 1e3
+        row["adam_step_ms"] = medians["adam"] * 1e3
+        row["step_compile_s"] = chain.compile_s
+        del chain
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# Output.
+
+def machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    memory = None
+    try:
+        with open("/proc/meminfo") as f:
+            kib = int(next(line.split()[1] for line in f if line.startswith("MemTotal")))
+        memory = f"{kib / 2**20:.0f} GiB"
+    except (OSError, StopIteration, ValueError):
+        pass
+    device = jax.devices()[0]
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory": memory,
+            "device": f"{device.device_kind} ({jax.default_backend()})",
+            "gpu": jax.default_backend() == "gpu",
+            "python": platform.python_version(), "jax": jax.__version__,
+            "jaxlib": getattr(jax.lib, "__version__", None) or jax.__version__,
+            "optax": optax.__version__, "optclip": optclip.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def _fmt(value, spec=".2f") -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def table_rows(results: dict) -> tuple[list[str], list[list[str]]]:
+    leaves = results["config"]["leaves"]
+    header = ["transform", *[f"compile ×adam @{n}" for n in leaves], "step ×adam", "floor",
+              "state B/B"]
+    rows = []
+    for row in results["transforms"]:
+        rows.append([row["name"], *[_fmt(row["compile"].get(str(n))) for n in leaves],
+                     _fmt(row.get("step_ratio")) + ("*" if row.get("step_note") else ""),
+                     _fmt(row["floor"]),
+                     _fmt(row["state_bytes_per_param_byte"])])
+    return header, rows
+
+
+def print_table(results: dict) -> None:
+    header, rows = table_rows(results)
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, *rows]:
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                        for i, (c, w) in enumerate(zip(r, widths))))
+
+
+def print_global(g: dict) -> None:
+    print(f"{'contender':30s} {'ms/step':>9s}")
+    for name, ms in g["ms"].items():
+        print(f"{name:30s} {ms:9.2f}")
+    print(f"optclip/optax {g['optclip_vs_optax']:.3f}, optclip/streaming "
+          f"{g['optclip_vs_streaming']:.3f}, chain/adam: optax {g['optax_chain_vs_adam']:.3f}, "
+          f"optclip {g['optclip_chain_vs_adam']:.3f}\n")
+
+
+def render_markdown(results: dict) -> str:
+    m, c = results["machine"], results["config"]
+    header, rows = table_rows(results)
+    lines = [
+        "# Benchmarks",
+        "",
+        "Compile time, step time and state memory of every transform, each measured against",
+        "`optax.adam(1e-3)` alone in the same process. Produced by `make bench`",
+        "(`benchmarks/bench_clip.py`); this page is rewritten by every full run.",
+        "",
+        f"**Machine:** {m['cpu']}, {m['cores']} cores, {m['memory']} memory; JAX device "
+        f"{m['device']}; Python {m['python']}, jax {m['jax']}, optax {m['optax']}, "
+        f"optclip {m['optclip']}; measured {m['date']}.",
+        "",
+    ]
+    if not m["gpu"]:
+        lines += ["No GPU was available for this run, so the fraction of HBM bandwidth reached",
+                  "by `clip_by_global_norm` and `zclip` was not measured.", ""]
+    if c.get("partial"):
+        lines += [f"!!! warning \"Partial run\"\n    {c['partial']}", ""]
+    gpt2 = c["step_tree"]
+    lines += [
+        "## Every transform",
+        "",
+        "* **compile ×adam @N**: lowering plus XLA compile time of "
+        "`jax.jit(optax.chain(T, optax.adam(1e-3)).update)` over `optax.adam(1e-3)`'s, on N small",
+        "  float32 leaves (shapes (64, 32), (32,), (32, 64), (64,) repeated), adam compiled right",
+        f"  before each transform. {c['big_note']}",
+        f"* **step ×adam**: time of one `chain(T, adam)` step over one `adam` step on {gpt2},",
+        "  gradients and state donated; median over "
+        f"{c['rounds']} interleaved rounds of up to {c['steps']} steps each.",
+        "* **floor**: the memory-traffic floor of that ratio. `adam` moves 6 parameter-sized",
+        "  buffers per step (reads the gradient and both moments, writes both moments and the",
+        "  update); the floor adds the passes a transform cannot fuse away (a norm reads the",
+        "  gradient once more, a projection reads the parameters) and one read and one write of",
+        "  every per-element state buffer: `1 + (passes + 2 × state) / 6`. An elementwise",
+        "  transform fuses into adam's pass (floor 1.00); one float32 buffer of state adds 0.33.",
+        "* **state B/B**: bytes of the transform's own state per byte of parameters.",
+        "* `*`: a step slower than --slow-step seconds, timed once (no rounds).",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|",
+        *["| " + " | ".join([f"`{r[0]}`", *r[1:]]) + " |" for r in rows],
+        "",
+        "Constructions (defaults, required arguments filled in):",
+        "",
+        *[f"* `{r['name']}`: `{r['construction']}` ({r['note']})" for r in results["transforms"]],
+        "",
+    ]
+    g = results.get("global_norm")
+    if g:
+        lines += [
+            "## Global-norm clipping against optax and the streaming floor",
+            "",
+            f"On {gpt2}: the streaming baseline reads the gradients once for the norm and scales",
+            "them in place in a second pass.",
+            "",
+            "| contender | ms / step |",
+            "|---|---:|",
+            *[f"| {name} | {ms:.2f} |" for name, ms in g["ms"].items()],
+            "",
+            f"`optclip.clip_by_global_norm` takes {g['optclip_vs_optax']:.3f}× optax's time and "
+            f"{g['optclip_vs_streaming']:.3f}× the streaming baseline's; in a chain with adam, "
+            f"optclip costs {g['optclip_chain_vs_adam']:.3f}× adam and optax "
+            f"{g['optax_chain_vs_adam']:.3f}×.",
+            "",
+        ]
+    lines += ["Command: `" + c["command"] + "`", ""]
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="GPT-2 tree at 1/4 width and vocabulary; compile at 32 and 128 leaves")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="these transforms only")
+    parser.add_argument("--leaves", type=lambda s: [int(x) for x in s.split(",")],
+                        help="leaf counts for compile time (default 32,256,2000)")
+    parser.add_argument("--all-up-to", type=int, default=256,
+                        help="leaf counts above this are measured only for --big-only")
+    parser.add_argument("--big-only", nargs="*", default=list(BIG_ONLY), metavar="NAME")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="steps per round (at most)")
+    parser.add_argument("--step-budget", type=float, default=4.0,
+                        help="seconds per round and contender that set fewer steps for slow steps")
+    parser.add_argument("--slow-step", type=float, default=5.0,
+                        help="seconds: a slower warm step is timed once, without rounds")
+    parser.add_argument("--skip-step", action="store_true")
+    parser.add_argument("--skip-global", action="store_true")
+    parser.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results.json"))
+    parser.add_argument("--docs", default=None,
+                        help="write the page here (default docs/benchmarks.md on a full run)")
+    parser.add_argument("--render", metavar="JSON",
+                        help="only render --docs (default docs/benchmarks.md) from this JSON")
+    args = parser.parse_args(argv)
+    if args.leaves is None:
+        args.leaves = [32, 128] if args.quick else [32, 256, 2000]
+    unknown = set(args.only or ()) - set(CASES)
+    if unknown:
+        parser.error(f"unknown transforms {sorted(unknown)}; choose from {sorted(CASES)}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.render:
+        with open(args.render) as f:
+            results = json.load(f)
+        path = args.docs or os.path.join(ROOT, "docs", "benchmarks.md")
+        with open(path, "w") as f:
+            f.write(render_markdown(results))
+        print(f"wrote {path}")
+        return
+
+    names = args.only or list(CASES)
+    missing = set(optclip.__all__) - set(CASES) - {
+        "stats", "clip_grad_norm", "clip_grad_value", "normalize_grads", "max_clipping",
+        "mean_clipping", "reciprocal_clipping", "ema_criterion", "zscore_criterion"}
+    if missing:
+        print(f"warning: no benchmark case for {sorted(missing)}", file=sys.stderr)
+    width = 192 if args.quick else 768
+    shapes = gpt2_small_shapes(width=width, vocab=50257 // (4 if args.quick else 1))
+    params = make_tree(shapes, seed=1)
+    grads = make_tree(shapes, seed=2, scale=1.0)          # global norm >> 1: clipping is active
+    count = sum(x.size for x in jax.tree.leaves(params))
+    step_tree = (f"a GPT-2-small-shaped tree ({count / 1e6:.1f}M float32 parameters, "
+                 f"{len(shapes)} leaves)")
+    info = machine()
+    print(f"device: {info['device']}, {info['cores']} cores; step tree: {step_tree}\n")
+
+    big = [n for n in args.leaves if n > args.all_up_to]
+    big_note = (f"At {', '.join(map(str, big))} leaves only " +
+                ", ".join(f"`{n}`" for n in args.big_only) + " are measured (time)."
+                if big else "")
+    partial = []
+    if args.quick:
+        partial.append("--quick: small trees, not the sizes the targets refer to.")
+    if args.only:
+        partial.append(f"--only: {len(names)} of {len(CASES)} transforms.")
+    results: dict = {
+        "machine": info,
+        "config": {"leaves": args.leaves, "all_up_to": args.all_up_to, "big_only": args.big_only,
+                   "big_note": big_note, "rounds": args.rounds, "steps": args.steps,
+                   "step_tree": step_tree, "quick": args.quick,
+                   "partial": " ".join(partial) or None,
+                   "command": "python benchmarks/bench_clip.py " + " ".join(
+                       sys.argv[1:] if argv is None else argv)},
+        "transforms": [],
+    }
+    if not args.skip_global and not args.skip_step:
+        results["global_norm"] = global_norm_comparison(params, grads, args.rounds, args.steps)
+        print_global(results["global_norm"])
+    adam = None if args.skip_step else Stepper(optax.adam(1e-3), params, grads)
+    for name in names:
+        start = time.perf_counter()
+        row = measure_transform(name, CASES[name], args, params, grads, adam)
+        results["transforms"].append(row)
+        compile_part = " ".join(f"@{n} {r:.2f}" for n, r in row["compile"].items())
+        print(f"{name:20s} compile {compile_part}  step {_fmt(row.get('step_ratio'))}"
+              f" (floor {row['floor']:.2f})  state {row['state_bytes_per_param_byte']:.2f}"
+              f"  [{time.perf_counter() - start:.0f} s]", flush=True)
+    print()
+    print_table(results)
+    with open(args.json, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"\nwrote {args.json}")
+    docs = args.docs or (None if (args.quick or args.only) else
+                         os.path.join(ROOT, "docs", "benchmarks.md"))
+    if docs:
+        with open(docs, "w") as f:
+            f.write(render_markdown(results))
+        print(f"wrote {docs}")
 
 
 if __name__ == "__main__":

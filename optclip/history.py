@@ -74,13 +74,14 @@ def _stack(scalars: list[jax.Array], dtype) -> jax.Array:
     """Per-leaf scalars as one vector (scalars only: leaves are never concatenated)."""
     if not scalars:
         return jnp.zeros((0,), dtype)
-    return jnp.stack([s.astype(dtype) for s in scalars])
+    return norms.gather_scalars([s.astype(dtype) for s in scalars])
 
 
 def _per_leaf_tree(tree: Any, vector: jax.Array) -> Any:
     """Entry ``j`` of ``vector`` at the position of the ``j``-th float leaf of ``tree``."""
     leaves, treedef = jax.tree.flatten(tree)
     out, j = [], 0
+    vector = norms.computed_once(vector)
     for x in leaves:
         if norms.is_float(x):
             out.append(vector[j])
@@ -94,6 +95,7 @@ def _scale_leaves(tree: Any, factors: jax.Array) -> Any:
     """Multiply the ``j``-th float leaf by ``factors[j]`` (or all by one scalar factor)."""
     leaves, treedef = jax.tree.flatten(tree)
     out, j = [], 0
+    factors = norms.computed_once(factors)
     for x in leaves:
         if norms.is_float(x):
             out.append(norms.scale(x, factors if factors.ndim == 0 else factors[j]))

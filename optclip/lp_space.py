@@ -241,12 +241,12 @@ def _normalized(g: jax.Array, ord: float, axes: tuple[int, ...], eps: Any,
                            split)
     rescale = ((norm < low) | (norm >= 1 / tiny)) & (biggest > 0) & jnp.isfinite(biggest)
     # Scale by 2**-e (exact) in two halves, so that neither factor is subnormal or infinite.
-    shift = jnp.where(rescale, -jnp.frexp(biggest)[1], 0)
-    half = jnp.ldexp(jnp.ones((), wide.dtype), shift // 2)
-    unit = wide * half * half * jnp.ldexp(jnp.ones((), wide.dtype), shift % 2)
+    shift = jnp.where(rescale, -norms.binary_exponent(biggest), 0)
+    half = norms.pow2(shift >> 1, wide.dtype)
+    unit = wide * half * half * norms.pow2(shift & 1, wide.dtype)
     denom = jnp.where(rescale, norms.slice_norm(unit, ord, axes, split), jnp.maximum(norm, eps))
     out = unit / jnp.where(denom == 0, 1, denom)
-    return out, jnp.where(rescale, jnp.ldexp(denom, -shift), norm)
+    return out, jnp.where(rescale, norms.ldexp(denom, -shift), norm)
 
 
 def _explicit_sharding(x: jax.Array):
@@ -284,16 +284,33 @@ def _slice_mask(mask: jax.Array, like: jax.Array) -> jax.Array:
     return mask if sharding is None else jax.sharding.reshard(mask, sharding)
 
 
-def _ranks(g: jax.Array, axes: tuple[int, ...]) -> jax.Array:
-    """Rank of every entry by descending ``|g|`` within its slice, shape ``(*batch, D)``.
+def _top_k_mask(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array) -> jax.Array:
+    """Whether each entry is among the ``k`` largest ``|g|`` of its slice, shape ``(*batch, D)``.
 
     Stable: ties go to the lowest index first (torch.topk breaks them arbitrarily);
-    NaN ranks as the largest (it is kept, as in the reference).
+    NaN ranks as the largest (it is kept, as in the reference). One sort of
+    ``(-|g|, index)`` per slice finds the ``k``-th entry; an entry is kept when it comes before
+    it in that order (no second sort to rank every entry).
     """
     magnitude = jnp.abs(_slice_rows(g, axes))
     magnitude = jnp.where(jnp.isnan(magnitude), jnp.inf, magnitude)
-    order = jnp.argsort(-magnitude, axis=-1, stable=True)
-    return jnp.argsort(order, axis=-1, stable=True)
+    if magnitude.shape[-1] == 0:
+        return jnp.zeros(magnitude.shape, bool)
+    # Built from a zeros_like so that it carries the slices' sharding under an explicit mesh.
+    index = jnp.zeros_like(magnitude, jnp.int32) + jnp.arange(magnitude.shape[-1],
+                                                               dtype=jnp.int32)
+    if isinstance(k, int) and 0 < k < magnitude.shape[-1]:
+        # top_k orders equal values by index too, and needs no full sort.
+        values, order = jax.lax.top_k(magnitude, k)
+        last, last_index = values[..., -1:], order[..., -1:]
+    else:
+        keys, order = jax.lax.sort((-magnitude, index), dimension=magnitude.ndim - 1,
+                                   num_keys=2)
+        at = jnp.clip(jnp.asarray(k) - 1, 0, magnitude.shape[-1] - 1)
+        last = -jax.lax.dynamic_index_in_dim(keys, at, axis=-1)
+        last_index = jax.lax.dynamic_index_in_dim(order, at, axis=-1)
+    keep = (magnitude > last) | ((magnitude == last) & (index <= last_index))
+    return keep & (k > 0)
 
 
 def _static_k(q: float, size: int) -> int:
@@ -315,7 +332,7 @@ def _top_q_kept(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array) -> jax.
             return jnp.zeros_like(g)
         if k >= size:
             return g
-    keep = _slice_mask(_ranks(g, axes) < k, g)
+    keep = _slice_mask(_top_k_mask(g, axes, k), g)
     return jnp.where(keep, g, jnp.zeros_like(g))
 
 

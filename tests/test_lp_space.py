@@ -945,3 +945,22 @@ def test_whole_leaf_ranking_under_sharding_gives_the_same_numbers(make):
     sharded, _ = update(jax.device_put(g, rows), tx.init(p), jax.device_put(p, rows))
     np.testing.assert_array_equal(sharded, plain)
     assert sharded.sharding.is_equivalent_to(rows, 2)
+
+
+def test_top_q_keeps_the_first_k_in_stable_order_with_ties_and_nan():
+    """One sort finds the k-th entry: the same entries as ranking every entry (numpy oracle)."""
+    rng = np.random.default_rng(7)
+    g = rng.integers(-2, 3, (5, 7)).astype(np.float32)
+    g[0, 3] = np.nan
+    g[1, :] = 1.0
+    g[2, 2] = -np.inf
+    magnitude = np.where(np.isnan(g), np.inf, np.abs(g))
+    ranks = np.argsort(np.argsort(-magnitude, axis=-1, kind="stable"), axis=-1, kind="stable")
+    for q in (0.0, 0.3, 0.5, 0.75, 1.0):
+        k = round((1 - q) * 7)
+        expected = np.where(ranks < k, g, 0.0)
+        tx = optclip.top_q(q)
+        out = tx.update(jnp.asarray(g), tx.init(jnp.asarray(g)))[0]
+        np.testing.assert_array_equal(out, expected)
+        traced = jax.jit(lambda g, k: optclip.lp_space._top_q_kept(g, (1,), k))(g, k)
+        np.testing.assert_array_equal(traced, expected)

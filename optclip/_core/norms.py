@@ -265,8 +265,19 @@ def gather_scalars(partials: list[jax.Array]) -> jax.Array:
     Writing the scalars into a vector with one scatter, an operation XLA neither rewrites nor
     duplicates, keeps the combination a single reduction whose result each leaf reads.
     """
-    values = jnp.stack([jnp.asarray(p) for p in partials])
-    return jnp.zeros_like(values).at[jnp.arange(len(partials))].set(
+    return computed_once(jnp.stack([jnp.asarray(p) for p in partials]))
+
+
+def computed_once(values: jax.Array) -> jax.Array:
+    """``values`` (a small array of per-leaf values) copied by one scatter along axis 0.
+
+    XLA neither rewrites nor duplicates the scatter, so the computation behind ``values`` runs
+    once, and the per-leaf computations that read ``values[i]`` do not each get a copy of it
+    (see :func:`gather_scalars`).
+    """
+    if values.ndim == 0 or values.shape[0] == 0:
+        return values
+    return jnp.zeros_like(values).at[jnp.arange(values.shape[0])].set(
         values, indices_are_sorted=True, unique_indices=True)
 
 
@@ -329,6 +340,37 @@ def global_norm(tree: Any, ord: float | str = 2.0, axis_name: AxisName = None) -
     if ord == 0.0:
         return tsum(total(lambda x: (x != 0).astype(x.dtype)))
     return tsum(total(lambda x: jnp.abs(x) ** ord)) ** (1.0 / ord)
+
+
+def _int_type(dtype) -> jnp.dtype:
+    return jnp.dtype(jnp.int64) if jnp.dtype(dtype).itemsize == 8 else jnp.dtype(jnp.int32)
+
+
+def binary_exponent(x: jax.Array) -> jax.Array:
+    """``jnp.frexp(x)[1]`` (int32) wherever ``x > 0`` and finite (float32 or float64).
+
+    Read from the bits in a few integer operations: ``jnp.frexp`` expands into a long chain that
+    XLA copies into every fusion consuming a per-slice value computed from it.
+    """
+    info = jnp.finfo(x.dtype)
+    bits = jax.lax.bitcast_convert_type(x, _int_type(x.dtype))
+    normal = (bits >> info.nmant) - (info.maxexp - 2)
+    subnormal = (info.bits - info.nmant - info.maxexp + 2) - jax.lax.clz(bits)
+    return jnp.where(bits >= (1 << info.nmant), normal, subnormal).astype(jnp.int32)
+
+
+def pow2(k: jax.Array, dtype) -> jax.Array:
+    """``2.0 ** k`` in ``dtype`` (exact) for integer ``k`` in the normal exponent range."""
+    info = jnp.finfo(dtype)
+    biased = (k.astype(_int_type(dtype)) + (info.maxexp - 1)) << info.nmant
+    return jax.lax.bitcast_convert_type(biased, jnp.dtype(dtype))
+
+
+def ldexp(x: jax.Array, k: jax.Array) -> jax.Array:
+    """``jnp.ldexp(x, k)`` as two exact power-of-two factors (``|k|`` up to twice the largest
+    exponent), a few operations instead of ``jnp.ldexp``'s long expansion."""
+    half = k >> 1
+    return x * pow2(half, x.dtype) * pow2(k - half, x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
