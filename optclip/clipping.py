@@ -256,6 +256,7 @@ def clip_value(value: ScalarOrSchedule) -> optax.GradientTransformation:
                               jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
+        checks.matches_init(init_fn, updates, state)
         del params
         bound = checks.resolve(value, state.count)
         measured = max_abs(updates)
@@ -308,6 +309,7 @@ def clip_by_global_norm(max_norm: ScalarOrSchedule = 1.0, ord: Ord = 2
                                jnp.zeros([], bool), jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
+        checks.matches_init(init_fn, updates, state)
         del params
         bound = checks.resolve(max_norm, state.count, norms.stat_dtype())
         norm = norms.global_norm(updates, ord)
@@ -377,6 +379,7 @@ def clip_norm(
                              jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
+        checks.matches_init(init_fn, updates, state)
         del params
         bound = checks.resolve(max_norm, state.count, norms.stat_dtype())
         new_updates, measured = measure(updates, bound)
@@ -436,6 +439,7 @@ def normalize(
         return state_cls(jnp.zeros([], jnp.int32), zeros, jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
+        checks.matches_init(init_fn, updates, state)
         del params
         target = checks.resolve(norm_value, state.count, norms.stat_dtype())
         new_updates, measured = measure(updates, target)
@@ -531,7 +535,8 @@ def zscore_normalize(eps: float = 1e-8) -> optax.GradientTransformation:
         wide = g.astype(norms.acc_dtype(g.dtype))
         mean = jnp.mean(wide)
         # drytorch divides by an unbiased std of NaN here (spec/adaptive.md D13): use 0.
-        std = jnp.std(wide, ddof=1) if g.size > 1 else jnp.zeros((), wide.dtype)
+        # leaf_norm: finite derivative at a constant leaf, no overflow for huge elements.
+        std = norms.leaf_norm(wide, "std") if g.size > 1 else jnp.zeros((), wide.dtype)
         return ((wide - mean) / (std + eps)).astype(g.dtype)
 
     def update_fn(updates, state, params=None):

@@ -114,6 +114,15 @@ def _double_tiny(dtype) -> jax.Array:
     return jnp.asarray(2 * jnp.finfo(dtype).tiny, dtype)
 
 
+def _output_divisor(norm: jax.Array, divisor: jax.Array) -> jax.Array:
+    """The divisor a zero update is divided by: 1 (it stays zero either way).
+
+    Dividing by the ``2 tiny`` floor would make the derivative NaN (``0 / tiny**2``), so
+    ``jax.grad`` through the transform at a zero update would be NaN.
+    """
+    return jnp.where(norm == 0, jnp.ones_like(divisor), divisor)
+
+
 def _float_zeros(tree: Any) -> Any:
     """Per float leaf: zeros of its shape in the statistics dtype; ``None`` elsewhere."""
     # zeros_like keeps the leaf's sharding (also its sharding type under an explicit mesh).
@@ -176,9 +185,11 @@ def _norm_by_ema(normalize, beta, ord, eps, tensorwise, max_ema_growth, ema_init
         ones = jax.tree.map(jnp.ones_like, scalar)
         flags = jax.tree.map(lambda s: jnp.zeros((), bool), scalar)
         zero = jnp.zeros([], jnp.int32)
-        return state_cls(zero, ema, scalar, scalar, ones, flags, flags, zero)
+        return stats_lib.own_buffers(
+            state_cls(zero, ema, scalar, scalar, ones, flags, flags, zero))
 
     def update_fn(updates, state, params=None):
+        checks.matches_init(init_fn, updates, state)
         del params
         leaves, (old_ema,), treedef = norms.flatten_with(updates, state.ema)
         first = state.count == 0
@@ -201,7 +212,8 @@ def _norm_by_ema(normalize, beta, ord, eps, tensorwise, max_ema_growth, ema_init
                 a, b, measurable = _norms_or_zeros(x.size, (x, e))
                 divisor, b, capped, (e,) = cap_and_divide(a, b, r, first, [e], measurable)
                 ema[i] = e
-                per_leaf[i] = (norms.divide(x, divisor), a.astype(b.dtype), b, divisor, capped)
+                per_leaf[i] = (norms.divide(x, _output_divisor(a, divisor)), a.astype(b.dtype), b,
+                               divisor, capped)
             new_updates = treedef.unflatten(
                 [p[0] if p else x for p, x in zip(per_leaf, leaves)])
             norm, ema_norm, divisor, capped = (
@@ -215,7 +227,8 @@ def _norm_by_ema(normalize, beta, ord, eps, tensorwise, max_ema_growth, ema_init
             ema = [next(rescaled) if f else None for f in is_float]
             norm = a.astype(ema_norm.dtype)
             new_updates = treedef.unflatten(
-                [norms.divide(x, divisor) if f else x for x, f in zip(leaves, is_float)])
+                [norms.divide(x, _output_divisor(a, divisor)) if f else x
+                 for x, f in zip(leaves, is_float)])
 
         clipped = jax.tree.map(lambda d: d > 1, divisor)
         ok = stats_lib.all_finite(updates) & stats_lib.all_finite((norm, ema_norm))
@@ -389,10 +402,12 @@ def clip_value_by_ema(
         ema = _float_zeros(params)
         per_leaf = jax.tree.map(lambda e: jnp.zeros((), e.dtype), ema)
         zero = jnp.zeros([], jnp.int32)
-        return ClipValueByEMAState(zero, ema, transform.init(ema), per_leaf,
-                                   jax.tree.map(lambda s: jnp.zeros((), bool), per_leaf), zero)
+        return stats_lib.own_buffers(ClipValueByEMAState(
+            zero, ema, transform.init(ema), per_leaf,
+            jax.tree.map(lambda s: jnp.zeros((), bool), per_leaf), zero))
 
     def update_fn(updates, state, params=None):
+        checks.matches_init(init_fn, updates, state)
         leaves, (old_ema,), treedef = norms.flatten_with(updates, state.ema)
         first = state.count == 0
         ema = []

@@ -148,10 +148,11 @@ def clip_value_growth(
                             if norms.is_float(x) else None, params)
         ratio = jax.tree.map(lambda p: jnp.ones((), p.dtype), prev)
         zero = jnp.zeros([], jnp.int32)
-        return ClipValueGrowthState(zero, prev, ratio,
-                                    jax.tree.map(lambda r: jnp.zeros((), bool), ratio), zero)
+        return stats_lib.own_buffers(ClipValueGrowthState(
+            zero, prev, ratio, jax.tree.map(lambda r: jnp.zeros((), bool), ratio), zero))
 
     def update_fn(updates, state, params=None):
+        checks.matches_init(init_fn, updates, state)
         del params
         leaves, (prevs,), treedef = norms.flatten_with(updates, state.prev)
         first = state.count == 0
@@ -259,10 +260,12 @@ def clip_norm_growth(
             scalar = jnp.zeros((), jax.eval_shape(lambda t: norms.global_norm(t, ord),
                                                   params).dtype)
         zero = jnp.zeros([], jnp.int32)
-        return state_cls(zero, scalar, scalar, jax.tree.map(jnp.ones_like, scalar),
-                         jax.tree.map(lambda s: jnp.zeros((), bool), scalar), zero)
+        return stats_lib.own_buffers(state_cls(
+            zero, scalar, scalar, jax.tree.map(jnp.ones_like, scalar),
+            jax.tree.map(lambda s: jnp.zeros((), bool), scalar), zero))
 
     def update_fn(updates, state, params=None):
+        checks.matches_init(init_fn, updates, state)
         del params
         first = state.count == 0
         leaves, treedef = jax.tree.flatten(updates, is_leaf=lambda x: x is None)

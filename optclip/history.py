@@ -55,7 +55,10 @@ def _torch_clip_factor(max_norm: jax.Array, norm: jax.Array) -> jax.Array:
     Exactly 1 when ``norm + 1e-6 <= max_norm`` (so "no clipping" leaves values bit-identical);
     a norm equal to ``max_norm`` is still shrunk by ``max_norm / (max_norm + 1e-6)``.
     """
-    return jnp.minimum(max_norm / (norm + _TORCH_EPS), 1)
+    # No threshold (inf) gives 1; the finite stand-in keeps the derivative finite (inf * 0).
+    unbounded = jnp.isinf(max_norm)
+    bound = jnp.where(unbounded, jnp.ones_like(max_norm), max_norm)
+    return jnp.where(unbounded, 1, jnp.minimum(bound / (norm + _TORCH_EPS), 1))
 
 
 def _check_parity(parity: Any) -> None:
@@ -475,13 +478,13 @@ def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_
         else:
             inner = warmup_transform.init(params)
         zeros = jnp.zeros(batch, dtype)
-        return state_cls(
+        return stats_lib.own_buffers(state_cls(
             count=jnp.zeros([], jnp.int32),
             warmup_norms=jnp.zeros(batch + (buffer_size,), dtype),
             criterion=crit_state, warmup_state=inner,
             norm=diag_tree(params, zeros), threshold=diag_tree(params, zeros),
             scale=diag_tree(params, zeros + 1), clipped=diag_tree(params, zeros > 0),
-            spikes=jnp.zeros([], jnp.int32), nonfinite=jnp.zeros([], jnp.int32))
+            spikes=jnp.zeros([], jnp.int32), nonfinite=jnp.zeros([], jnp.int32)))
 
     def warmup_output(updates, state, params):
         if per_leaf:
@@ -501,6 +504,7 @@ def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_
         return warmup_transform.update(updates, state.warmup_state, params)
 
     def update_fn(updates, state, params=None):
+        checks.matches_init(init_fn, updates, state)
         dtype = state.warmup_norms.dtype
         norm = measure(updates, dtype)
         count = state.count
@@ -795,11 +799,12 @@ def zclip(
         del params
         dtype = norms.stat_dtype()
         zero = jnp.zeros([], dtype)
-        return ZClipState(jnp.zeros([], jnp.int32), jnp.zeros((steps,), dtype), zero, zero,
-                          zero, zero, zero + 1, jnp.zeros([], bool),
-                          jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32))
+        return stats_lib.own_buffers(ZClipState(
+            jnp.zeros([], jnp.int32), jnp.zeros((steps,), dtype), zero, zero, zero, zero,
+            zero + 1, jnp.zeros([], bool), jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32)))
 
     def update_fn(updates, state, params=None):
+        checks.matches_init(init_fn, updates, state)
         del params
         dtype = state.mean.dtype
         norm = norms.global_norm(updates).astype(dtype)
@@ -812,7 +817,7 @@ def zclip(
         buffer = jnp.where(warm, state.warmup_norms.at[jnp.minimum(count, steps - 1)].set(norm),
                            state.warmup_norms)
         init_mean = jnp.sum(buffer) / steps
-        init_var = jnp.sum((buffer - init_mean) ** 2) / steps
+        init_var = _saturate(jnp.sum((buffer - init_mean) ** 2) / steps)
         completes = warm & (count + 1 == steps)
         warm_scale = jnp.ones((), dtype) if cap is None else _torch_clip_factor(cap, norm)
 
@@ -830,14 +835,14 @@ def zclip(
             else:
                 threshold = clip_factor * (mean + z_thresh * std / (z / z_thresh))
         if fixed:  # zclip Z1: a variance of 0 carries no information; detect nothing yet.
-            spike = spike & (std > 0)
+            spike = spike & ~_constant(mean, std)
         adaptive = jnp.where(spike, threshold, norm)
         # Python min(adaptive, cap): the first argument wins ties and NaN.
         eff = adaptive if cap is None else jnp.where(cap < adaptive, cap, adaptive)
         active_scale = jnp.where(norm > eff, eff / (norm + _TORCH_EPS), 1)
         fed = jnp.where(spike, threshold, norm)
         new_mean = alpha * mean + (1 - alpha) * fed
-        new_var = alpha * var + (1 - alpha) * (fed - new_mean) ** 2
+        new_var = _saturate(alpha * var + (1 - alpha) * (fed - new_mean) ** 2)
         if skip_update_on_spike:
             new_mean = jnp.where(spike, mean, new_mean)
             new_var = jnp.where(spike, var, new_var)
@@ -915,7 +920,21 @@ def _history_mean_std(history: jax.Array, filled: jax.Array) -> tuple[jax.Array,
     k = filled.astype(history.dtype)
     mean = jnp.sum(jnp.where(valid, history, 0), axis=-1) / k
     squares = jnp.sum(jnp.where(valid, (history - mean[..., None]) ** 2, 0), axis=-1)
-    return mean, jnp.sqrt(squares / (k - 1))
+    return mean, norms.safe_sqrt(squares / (k - 1))
+
+
+def _constant(mean: jax.Array, std: jax.Array) -> jax.Array:
+    """Whether ``std`` is rounding noise of a constant history (zclip's warm-up guard).
+
+    Identical warm-up norms of 0.1 leave a float32 variance of about 1e-16, not 0: a spread
+    below 16 ulps of the mean counts as none, so the guard holds despite rounding.
+    """
+    return std <= 16 * jnp.finfo(std.dtype).eps * jnp.abs(mean)
+
+
+def _saturate(var: jax.Array) -> jax.Array:
+    """A variance beyond the dtype's range (norms ~1e20 in float32) kept at its largest value."""
+    return jnp.minimum(var, jnp.finfo(var.dtype).max)
 
 
 def _autoclip(threshold_fn, history_length, global_threshold, state_cls):
@@ -930,14 +949,15 @@ def _autoclip(threshold_fn, history_length, global_threshold, state_cls):
         dtype = norms.stat_dtype()
         batch = () if global_threshold else (len(_float_leaves(params)),)
         zeros = jnp.zeros(batch, dtype)
-        return state_cls(
+        return stats_lib.own_buffers(state_cls(
             jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32),
             jnp.zeros(batch + (history_length,), dtype),
             diag_tree(params, zeros), diag_tree(params, zeros),
             diag_tree(params, zeros + 1), diag_tree(params, zeros > 0),
-            jnp.zeros([], jnp.int32))
+            jnp.zeros([], jnp.int32)))
 
     def update_fn(updates, state, params=None):
+        checks.matches_init(init_fn, updates, state)
         del params
         dtype = state.history.dtype
         if global_threshold:

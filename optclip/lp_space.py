@@ -152,7 +152,8 @@ def _check_bounds(clamp_min: Any, clamp_max: Any) -> None:
         raise ValueError("clamp_min and clamp_max cannot both be None; set at least one bound")
     checks.in_range("clamp_min", clamp_min, allow_none=True)
     checks.in_range("clamp_max", clamp_max, allow_none=True)
-    if _is_number(clamp_min) and _is_number(clamp_max) and clamp_min > clamp_max:
+    if (checks.is_concrete_number(clamp_min) and checks.is_concrete_number(clamp_max)
+            and float(np.asarray(clamp_min)) > float(np.asarray(clamp_max))):
         raise ValueError(f"clamp_min must be <= clamp_max, got clamp_min={clamp_min!r} > "
                          f"clamp_max={clamp_max!r}")
 
@@ -223,9 +224,10 @@ def _normalized(g: jax.Array, ord: float, axes: tuple[int, ...], eps: Any
     norm = norms.slice_norm(wide, ord, axes)
     eps = jnp.asarray(eps).astype(wide.dtype)
     # float16 is accumulated in float32, where its norms can neither underflow nor overflow.
+    # A zero slice stays zero; dividing it by 1 keeps its derivative finite (0 / eps**2 is NaN).
+    plain = jnp.where(norm == 0, 1, jnp.maximum(norm, eps))
     if g.dtype == jnp.float16:
-        denom = jnp.maximum(norm, eps)
-        return wide / jnp.where(denom == 0, 1, denom), norm
+        return wide / plain, norm
     tiny = float(jnp.finfo(wide.dtype).tiny)
     low = tiny if ord == 1.0 else math.sqrt(tiny)
     biggest = jnp.max(jnp.abs(wide), axis=axes, keepdims=True, initial=0)
@@ -234,7 +236,7 @@ def _normalized(g: jax.Array, ord: float, axes: tuple[int, ...], eps: Any
     shift = jnp.where(rescale, -jnp.frexp(biggest)[1], 0)
     half = jnp.ldexp(jnp.ones((), wide.dtype), shift // 2)
     unit = wide * half * half * jnp.ldexp(jnp.ones((), wide.dtype), shift % 2)
-    denom = jnp.where(rescale, norms.slice_norm(unit, ord, axes), jnp.maximum(norm, eps))
+    denom = jnp.where(rescale, norms.slice_norm(unit, ord, axes), plain)
     out = unit / jnp.where(denom == 0, 1, denom)
     return out, jnp.where(rescale, jnp.ldexp(denom, -shift), norm)
 
@@ -433,6 +435,7 @@ def _lp_normalize(ord: float, state_cls: type, name: str, param_ndim: int | None
         return state_cls(measured, jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
+        checks.matches_init(init_fn, updates, state)
         del params
         new_updates, measured = apply(updates)
         finite = stats_lib.all_finite(updates)
@@ -523,6 +526,7 @@ def _top_q_family(name: str, state_cls: type, q: Any, dq: Any, param_ndim: int |
         return state_cls(*fraction.init(params), jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
+        checks.matches_init(init_fn, updates, state)
         del params
         leaves, treedef = jax.tree.flatten(updates)
         key, q_of, k_of = fraction.draw(state.key, leaves, axes_of)
@@ -665,6 +669,7 @@ def clamp(clamp_min: float | None = None, clamp_max: float | None = None,
                           jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
+        checks.matches_init(init_fn, updates, state)
         del params
         clamped = norms.float_map(lambda g: _clip(g, clamp_min, clamp_max), updates)
         clipped = jax.tree.map(lambda g, c: jnp.any(g != c) if norms.is_float(g) else None,
@@ -695,6 +700,7 @@ def _projection(name: str, project, init_diag, state_cls: type) -> optax.Gradien
         return state_cls(*init_diag(params), jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
+        checks.matches_init(init_fn, updates, state)
         _require_params(params, name)
         targets = jax.tree.map(lambda u, p: (p + u).astype(p.dtype) if norms.is_float(u) else p,
                                updates, params)
@@ -897,6 +903,7 @@ def _frank_wolfe(name: str, lmo, scaling: Any, learning_rate: Any, schedule: boo
         return L1qFrankWolfeState(*head, *fraction.init(params), jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
+        checks.matches_init(init_fn, updates, state)
         _require_params(params, name)
         alpha, a, b = _fw_coefficients(state.count, learning_rate, scaling, schedule, fw_eps,
                                        norms.stat_dtype())

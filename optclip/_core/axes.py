@@ -34,7 +34,13 @@ def check_dim(dim: Dim, *, allow_global: bool = True) -> None:
             return
         allowed = "None, an int, a sequence of ints" + (" or 'global'" if allow_global else "")
         raise ValueError(f"dim must be {allowed}; got {dim!r}")
-    entries = [dim] if isinstance(dim, numbers.Integral) else list(dim)
+    if isinstance(dim, numbers.Integral):
+        entries = [dim]
+    elif isinstance(dim, Sequence):
+        entries = list(dim)
+    else:
+        raise TypeError(f"dim must be None, an int, a sequence of ints or 'global'; got {dim!r} "
+                        f"of type {type(dim).__name__}")
     for entry in entries:
         if isinstance(entry, bool) or not isinstance(entry, numbers.Integral):
             raise TypeError(f"dim must contain ints, got {entry!r} in {dim!r}")

@@ -60,7 +60,16 @@ def float_map(fn: Callable, tree: Any, *rest: Any) -> Any:
 
 
 def acc_dtype(dtype) -> jnp.dtype:
-    """The dtype norms and statistics of a leaf are accumulated in."""
+    """The dtype norms and statistics of a leaf are accumulated in.
+
+    Complex leaves are rejected here, where every transform first meets a leaf's dtype: a
+    cast to a real dtype would drop the imaginary part silently.
+    """
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        raise TypeError(
+            f"optclip transforms take real floating (or integer) leaves; got a complex leaf "
+            f"({jnp.dtype(dtype)}). Split it into real and imaginary parts (e.g. a pytree of "
+            f"x.real and x.imag) to clip it")
     return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
 
 
@@ -73,12 +82,66 @@ def _wide(x: jax.Array) -> jax.Array:
     return x.astype(acc_dtype(x.dtype))
 
 
+def safe_sqrt(x: jax.Array) -> jax.Array:
+    """``sqrt(x)`` whose derivative at ``x = 0`` is 0 instead of NaN (NaN and inf propagate).
+
+    A norm of an all-zero slice (a frozen parameter) is then differentiable: ``jax.grad``
+    through a clipper at a zero gradient is finite, as meta-learning needs.
+    """
+    zero = x == 0
+    return jnp.where(zero, jnp.zeros_like(x), jnp.sqrt(jnp.where(zero, jnp.ones_like(x), x)))
+
+
+def safe_root(x: jax.Array, ord: float) -> jax.Array:
+    """``x ** (1 / ord)`` with the derivative at ``x = 0`` taken as 0 (see :func:`safe_sqrt`)."""
+    zero = x == 0
+    return jnp.where(zero, jnp.zeros_like(x), jnp.where(zero, jnp.ones_like(x), x) ** (1.0 / ord))
+
+
+def _homogeneous(ord: float | str) -> bool:
+    """Orders whose plain formula can overflow on finite input and that scale as ``|c| N(x)``."""
+    return ord in (2.0, "std") or (isinstance(ord, float) and ord > 0 and ord not in
+                                   (1.0, math.inf))
+
+
+def overflow_safe(plain: Callable[[], jax.Array], rescaled: Callable[[], jax.Array]
+                  ) -> jax.Array:
+    """``plain()``, recomputed as ``rescaled()`` where it overflowed to ``inf``.
+
+    The plain formula reads the data once; only when some result is infinite (a sum of squares
+    beyond the dtype's range, e.g. float32 elements of 1e20) is the metric recomputed from the
+    data scaled by its largest magnitude. The test is one scalar (``lax.cond``), so the common
+    case costs no second pass over memory (under ``jax.vmap`` the cond becomes a select and
+    both run). Non-finite input stays non-finite.
+    """
+    raw = plain()
+    return jax.lax.cond(jnp.any(jnp.isinf(raw)),
+                        lambda: jnp.where(jnp.isinf(raw), rescaled(), raw), lambda: raw)
+
+
+def _safe_scale(m: jax.Array) -> jax.Array:
+    return jnp.where((m > 0) & jnp.isfinite(m), m, jnp.ones_like(m))
+
+
 def slice_norm(x: jax.Array, ord: float | str, axes: tuple[int, ...]) -> jax.Array:
     """Metric of every slice of ``x`` reduced over ``axes`` (keepdims), in the wide dtype.
 
-    ``axes=()`` treats every element as a one-element slice (also for 0-d leaves).
+    ``axes=()`` treats every element as a one-element slice (also for 0-d leaves). Finite
+    input gives a finite norm up to the dtype's range (see :func:`overflow_safe`), and the
+    derivative at an all-zero slice is finite.
     """
     x = _wide(x)
+    if not _homogeneous(ord):
+        return _plain_slice_norm(x, ord, axes)
+
+    def rescaled():
+        m = _safe_scale(jnp.max(jnp.abs(x), axis=axes, keepdims=True, initial=0))
+        return m * _plain_slice_norm(x / m.astype(x.dtype), ord, axes)
+
+    return overflow_safe(lambda: _plain_slice_norm(x, ord, axes), rescaled)
+
+
+def _plain_slice_norm(x: jax.Array, ord: float | str, axes: tuple[int, ...]) -> jax.Array:
     k = math.prod(x.shape[a] for a in axes)
     reduce = dict(axis=axes, keepdims=True)
     if ord == "mad":
@@ -87,11 +150,11 @@ def slice_norm(x: jax.Array, ord: float | str, axes: tuple[int, ...]) -> jax.Arr
         mean = jnp.sum(x, **reduce) / k
         var = jnp.sum(jnp.square(x - mean), **reduce) / (k - 1) if k > 1 else jnp.full(
             mean.shape, jnp.nan, x.dtype)
-        return jnp.sqrt(var) if ord == "std" else var
+        return safe_sqrt(var) if ord == "std" else var
     if ord == "sum":
         return jnp.abs(jnp.sum(x, **reduce))
     if ord == 2.0:
-        return jnp.sqrt(jnp.sum(jnp.square(x), **reduce))
+        return safe_sqrt(jnp.sum(jnp.square(x), **reduce))
     if ord == 1.0:
         return jnp.sum(jnp.abs(x), **reduce)
     if ord == 0.0:
@@ -100,7 +163,7 @@ def slice_norm(x: jax.Array, ord: float | str, axes: tuple[int, ...]) -> jax.Arr
         return jnp.max(jnp.abs(x), initial=0.0, **reduce)
     if ord == -math.inf:
         return jnp.min(jnp.abs(x), initial=math.inf, **reduce)
-    return jnp.sum(jnp.abs(x) ** ord, **reduce) ** (1.0 / ord)
+    return safe_root(jnp.sum(jnp.abs(x) ** ord, **reduce), ord)
 
 
 def metric_defined(ord: float | str, size: int) -> bool:
@@ -201,13 +264,30 @@ def global_norm(tree: Any, ord: float | str = 2.0) -> jax.Array:
     """Metric of all floating leaves of ``tree`` taken as one vector (spec/torchzero.md §1.1b).
 
     Computed from per-leaf partial reductions combined as scalars. Unlike torchzero 0.4.4,
-    ``ord=0`` counts non-zeros instead of raising (§4 D6).
+    ``ord=0`` counts non-zeros instead of raising (§4 D6). Scale-safe like :func:`slice_norm`:
+    where the plain sums overflow, they are recomputed from the leaves divided by the largest
+    magnitude of the tree.
     """
     leaves = _float_leaves(tree)
+    if not _homogeneous(ord):
+        return _plain_global_norm(leaves, ord)
+
+    def rescaled():
+        peak = _combine(leaf_reductions(leaves, lambda x: jnp.abs(_wide(x)), "max"), jnp.max, 0.0)
+        peak = _safe_scale(peak)
+        return peak * _plain_global_norm(leaves, ord, peak)
+
+    return overflow_safe(lambda: _plain_global_norm(leaves, ord), rescaled)
+
+
+def _plain_global_norm(leaves: list[jax.Array], ord: float | str, peak=None) -> jax.Array:
     count = sum(x.size for x in leaves)
 
     def total(prepare, kind="sum"):
-        return leaf_reductions(leaves, lambda x: prepare(_wide(x)), kind)
+        if peak is None:
+            return leaf_reductions(leaves, lambda x: prepare(_wide(x)), kind)
+        return leaf_reductions(
+            leaves, lambda x: prepare(_wide(x) / peak.astype(acc_dtype(x.dtype))), kind)
 
     if ord == math.inf:
         return _combine(total(jnp.abs, "max"), jnp.max, 0.0)
@@ -220,16 +300,16 @@ def global_norm(tree: Any, ord: float | str = 2.0) -> jax.Array:
         mean = signed / max(count, 1)
         squares = tree_sum(total(lambda x: jnp.square(x - mean)))
         var = squares / (count - 1) if count > 1 else jnp.full((), jnp.nan, squares.dtype)
-        return jnp.sqrt(var) if ord == "std" else var
+        return safe_sqrt(var) if ord == "std" else var
     if ord == "mad":
         return tree_sum(total(jnp.abs)) / max(count, 1)
     if ord == 2.0:
-        return jnp.sqrt(tree_sum(total(jnp.square)))
+        return safe_sqrt(tree_sum(total(jnp.square)))
     if ord == 1.0:
         return tree_sum(total(jnp.abs))
     if ord == 0.0:
         return tree_sum(total(lambda x: (x != 0).astype(x.dtype)))
-    return tree_sum(total(lambda x: jnp.abs(x) ** ord)) ** (1.0 / ord)
+    return safe_root(tree_sum(total(lambda x: jnp.abs(x) ** ord)), ord)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,7 +318,9 @@ def global_norm(tree: Any, ord: float | str = 2.0) -> jax.Array:
 
 def clip_multiplier(norm: jax.Array, max_norm: jax.Array) -> jax.Array:
     """``min(1, max_norm / norm)``, exactly 1 whenever ``norm <= max_norm`` (also for 0 or NaN)."""
-    return jnp.where(norm > max_norm, max_norm / norm, jnp.ones_like(norm))
+    # The second where keeps the derivative finite at norm == 0 (the unselected branch).
+    over = norm > max_norm
+    return jnp.where(over, max_norm / jnp.where(over, norm, 1), jnp.ones_like(norm))
 
 
 def normalize_multiplier(norm: jax.Array, target: jax.Array, eps=None) -> jax.Array:

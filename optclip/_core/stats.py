@@ -119,3 +119,21 @@ def zeros_like_shapes(shapes: Any) -> Any:
 def count_nonfinite(nonfinite: jax.Array, finite: jax.Array) -> jax.Array:
     """The ``nonfinite`` counter after a step whose updates were ``finite`` (a scalar bool)."""
     return nonfinite + (~finite).astype(jnp.int32)
+
+
+def own_buffers(state: Any) -> Any:
+    """``state`` with every array leaf its own object (repeated objects copied).
+
+    ``jax.jit(step, donate_argnums=...)`` with the optimizer state donated refuses a state in
+    which one array object fills several fields ("Attempt to donate the same buffer twice"),
+    which an ``init`` building two fields from one zero array would produce.
+    """
+    seen: set[int] = set()
+
+    def own(x):
+        if id(x) in seen:
+            return jnp.array(x, copy=True)
+        seen.add(id(x))
+        return x
+
+    return jax.tree.map(own, state)

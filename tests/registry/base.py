@@ -30,6 +30,11 @@ class Entry:
     has_stats: ``optclip.stats`` reports at least one entry for its state.
     tree: makes the gradient tree (``dtype, seed -> tree``).
     rtol: tolerance for jit == eager and sharded == unsharded.
+    thresholds: parameter name -> keyword arguments that build the transform with that
+      parameter as a number; every threshold also takes an optax schedule (``count -> value``).
+    ord_kwargs: keyword arguments that build the transform when it takes an ``ord`` (the suite
+      adds each ``ord``); ``None`` when it has none.
+    bound: a property every output must have (the clipping bound holding), ``out -> bool``.
     """
 
     name: str
@@ -39,6 +44,9 @@ class Entry:
     has_stats: bool = True
     tree: Callable[..., Any] = default_tree
     rtol: float = 1e-5
+    thresholds: dict[str, dict] = dataclasses.field(default_factory=dict)
+    ord_kwargs: dict | None = None
+    bound: Callable[[Any], bool] | None = None
 
     def __str__(self) -> str:
         return self.name
