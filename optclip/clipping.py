@@ -72,8 +72,18 @@ class GlobalNormalizeState(NamedTuple):
     nonfinite: jax.Array
 
 
-def _count_nonfinite(nonfinite: jax.Array, measured: Any) -> jax.Array:
-    return stats_lib.count_nonfinite(nonfinite, stats_lib.all_finite(measured))
+def _finite(ord: float | str, updates: Any, measured: Any) -> jax.Array:
+    """Whether the step was finite: from the measured norms where ``ord`` sees every NaN/Inf,
+    else (``ord`` 0, negative, ``-inf``: an Inf leaves them finite) from the updates too."""
+    finite = stats_lib.all_finite(measured)
+    return finite if norms.sees_nonfinite(ord) else finite & stats_lib.all_finite(updates)
+
+
+def _advance(state, finite: jax.Array, **fields):
+    """The next state: a non-finite step counts in ``nonfinite`` and does not advance
+    ``count``, so a threshold schedule continues where the last finite step left it."""
+    return state._replace(count=stats_lib.step_count(state.count, finite),
+                          nonfinite=stats_lib.count_nonfinite(state.nonfinite, finite), **fields)
 
 
 def _check_slices(ord: Ord, dim: Dim, inverse_dims: bool, min_size: int) -> float | str:
@@ -262,9 +272,9 @@ def clip_value(value: ScalarOrSchedule) -> optax.GradientTransformation:
         measured = max_abs(updates)
         new_updates = norms.float_map(lambda g: _clamp(g, bound), updates)
         clipped = jax.tree.map(lambda m: m > bound, measured)
-        return new_updates, ClipValueState(
-            optax.safe_increment(state.count), stats_lib.keep_finite(measured, state.max_abs),
-            clipped, _count_nonfinite(state.nonfinite, measured))
+        return new_updates, _advance(
+            state, stats_lib.all_finite(measured),
+            max_abs=stats_lib.keep_finite(measured, state.max_abs), clipped=clipped)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -316,10 +326,10 @@ def clip_by_global_norm(max_norm: ScalarOrSchedule = 1.0, ord: Ord = 2
         factor = norms.clip_multiplier(norm, bound.astype(norm.dtype))
         new_updates = jax.tree.map(lambda g: norms.scale(g, factor), updates)
         norm = norm.astype(state.norm.dtype)
-        return new_updates, GlobalClipState(
-            optax.safe_increment(state.count), stats_lib.keep_finite(norm, state.norm),
-            stats_lib.keep_finite(factor.astype(state.scale.dtype), state.scale),
-            norm > bound, _count_nonfinite(state.nonfinite, norm))
+        return new_updates, _advance(
+            state, _finite(ord, updates, norm), norm=stats_lib.keep_finite(norm, state.norm),
+            scale=stats_lib.keep_finite(factor.astype(state.scale.dtype), state.scale),
+            clipped=norm > bound)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -384,9 +394,9 @@ def clip_norm(
         bound = checks.resolve(max_norm, state.count, norms.stat_dtype())
         new_updates, measured = measure(updates, bound)
         clipped = jax.tree.map(lambda n: n > bound.astype(n.dtype), measured)
-        return new_updates, ClipNormState(
-            optax.safe_increment(state.count), stats_lib.keep_finite(measured, state.norm),
-            clipped, _count_nonfinite(state.nonfinite, measured))
+        return new_updates, _advance(
+            state, _finite(ord, updates, measured),
+            norm=stats_lib.keep_finite(measured, state.norm), clipped=clipped)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -443,9 +453,9 @@ def normalize(
         del params
         target = checks.resolve(norm_value, state.count, norms.stat_dtype())
         new_updates, measured = measure(updates, target)
-        return new_updates, state_cls(
-            optax.safe_increment(state.count), stats_lib.keep_finite(measured, state.norm),
-            _count_nonfinite(state.nonfinite, measured))
+        return new_updates, _advance(
+            state, _finite(ord, updates, measured),
+            norm=stats_lib.keep_finite(measured, state.norm))
 
     return optax.GradientTransformation(init_fn, update_fn)
 

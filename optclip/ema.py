@@ -141,9 +141,9 @@ def _norm_by_ema(normalize, beta, ord, eps, tensorwise, max_ema_growth, ema_init
     state_cls = {(False, True): ClipNormByEMAState, (False, False): ClipNormByEMAGlobalState,
                  (True, True): NormalizeByEMAState,
                  (True, False): NormalizeByEMAGlobalState}[normalize, bool(tensorwise)]
-    checks.positive("max_ema_growth", max_ema_growth, allow_none=True)
+    checks.positive("max_ema_growth", max_ema_growth, allow_none=True, allow_schedule=True)
 
-    def cap_and_divide(a, b, r_prev, first, ema, measurable):
+    def cap_and_divide(a, b, r_prev, first, ema, measurable, growth):
         """Growth cap on the EMA norm ``b`` and the divisor for an update of norm ``a``.
 
         Returns ``(divisor, capped b, capped flag, rescaled EMA leaves)`` (spec §2.5, steps 4-5).
@@ -151,7 +151,7 @@ def _norm_by_ema(normalize, beta, ord, eps, tensorwise, max_ema_growth, ema_init
         capped = jnp.zeros(b.shape, bool)
         if max_ema_growth is not None:
             reference = jnp.where(first, b, r_prev)
-            allowed = jnp.maximum(reference * jnp.asarray(max_ema_growth, b.dtype),
+            allowed = jnp.maximum(reference * growth.astype(b.dtype),
                                   jnp.asarray(eps, b.dtype))
             capped = b > allowed
             shrink = jnp.where(capped, b / allowed, 1)
@@ -193,6 +193,7 @@ def _norm_by_ema(normalize, beta, ord, eps, tensorwise, max_ema_growth, ema_init
         del params
         leaves, (old_ema,), treedef = norms.flatten_with(updates, state.ema)
         first = state.count == 0
+        growth = None if max_ema_growth is None else checks.resolve(max_ema_growth, state.count)
         is_float = [norms.is_float(x) for x in leaves]
         ema = []
         for x, e, f in zip(leaves, old_ema, is_float):
@@ -210,7 +211,8 @@ def _norm_by_ema(normalize, beta, ord, eps, tensorwise, max_ema_growth, ema_init
                 if not f:
                     continue
                 a, b, measurable = _norms_or_zeros(x.size, (x, e))
-                divisor, b, capped, (e,) = cap_and_divide(a, b, r, first, [e], measurable)
+                divisor, b, capped, (e,) = cap_and_divide(a, b, r, first, [e], measurable,
+                                                          growth)
                 ema[i] = e
                 per_leaf[i] = (norms.divide(x, _output_divisor(a, divisor)), a.astype(b.dtype), b,
                                divisor, capped)
@@ -222,7 +224,7 @@ def _norm_by_ema(normalize, beta, ord, eps, tensorwise, max_ema_growth, ema_init
             floats = [e for e in ema if e is not None]
             a, b, measurable = _norms_or_zeros(sum(e.size for e in floats), (leaves, ema))
             divisor, ema_norm, capped, floats = cap_and_divide(
-                a, b, state.ema_norm, first, floats, measurable)
+                a, b, state.ema_norm, first, floats, measurable, growth)
             rescaled = iter(floats)
             ema = [next(rescaled) if f else None for f in is_float]
             norm = a.astype(ema_norm.dtype)

@@ -61,10 +61,23 @@ class ClipNormGrowthGlobalState(ClipNormGrowthState):
 
 
 def _check_growth_args(add, mul, min_value, max_decay) -> None:
-    checks.non_negative("add", add, allow_none=True)
-    checks.positive("mul", mul, allow_none=True)
-    checks.positive("min_value", min_value, allow_none=True)
-    checks.positive("max_decay", max_decay, allow_none=True)
+    checks.non_negative("add", add, allow_none=True, allow_schedule=True)
+    checks.positive("mul", mul, allow_none=True, allow_schedule=True)
+    checks.positive("min_value", min_value, allow_none=True, allow_schedule=True)
+    checks.positive("max_decay", max_decay, allow_none=True, allow_schedule=True)
+
+
+class _Limits(NamedTuple):
+    """``add``, ``mul``, ``min_value``, ``max_decay`` at one step (``None``: not used)."""
+    add: Any
+    mul: Any
+    min_value: Any
+    max_decay: Any
+
+
+def _limits_at(count: jax.Array, *values) -> _Limits:
+    """Each float-or-schedule limit resolved at ``count`` (the number of finite steps)."""
+    return _Limits(*(None if v is None else checks.resolve(v, count) for v in values))
 
 
 def _const(value, like: jax.Array) -> jax.Array:
@@ -117,7 +130,7 @@ def clip_value_growth(
     _check_growth_args(add, mul, min_value, max_decay)
     identity = add is None and mul is None
 
-    def one_leaf(x, prev, first):
+    def one_leaf(x, prev, first, hp):
         """Returns ``(output, new reference, max ratio, clipped)`` for one float leaf."""
         wide = x.astype(prev.dtype)
         if identity:
@@ -125,16 +138,17 @@ def clip_value_growth(
         reference = jnp.abs(prev)
         y = wide
         if add is not None:
-            excess = jnp.maximum(jnp.abs(y) - reference, 0) - _const(add, y)
+            excess = jnp.maximum(jnp.abs(y) - reference, 0) - _const(hp.add, y)
             y = jnp.where(excess > 0, y - excess * jnp.sign(y), y)
         floor = reference if min_value is None else jnp.maximum(reference,
-                                                                _const(min_value, y))
+                                                                _const(hp.min_value, y))
         ratio = jnp.maximum(jnp.abs(y) / floor, _const(_MIN_RATIO, y))
         if mul is not None:
-            y = jnp.where(ratio > _const(mul, y), y / (ratio / _const(mul, y)), y)
+            y = jnp.where(ratio > _const(hp.mul, y), y / (ratio / _const(hp.mul, y)), y)
         new_prev = y
         if max_decay is not None:
-            new_prev = jnp.where(ratio < 1 / _const(max_decay, y), prev / _const(max_decay, y),
+            decay = _const(hp.max_decay, y)
+            new_prev = jnp.where(ratio < 1 / decay, prev / decay,
                                  y)
         clipped = jnp.any(y != wide)
         # 0/0 (no floor, zero reference and update) has no ratio; torchzero leaves it alone.
@@ -156,7 +170,8 @@ def clip_value_growth(
         del params
         leaves, (prevs,), treedef = norms.flatten_with(updates, state.prev)
         first = state.count == 0
-        results = [one_leaf(x, p, first) if norms.is_float(x) else (x, None, None, None)
+        hp = _limits_at(state.count, add, mul, min_value, max_decay)
+        results = [one_leaf(x, p, first, hp) if norms.is_float(x) else (x, None, None, None)
                    for x, p in zip(leaves, prevs)]
         outputs, new_prev, max_ratio, clipped = (
             treedef.unflatten([r[k] for r in results]) for k in range(4))
@@ -230,25 +245,26 @@ def clip_norm_growth(
     checks.boolean("parameterwise", parameterwise)
     state_cls = ClipNormGrowthState if parameterwise else ClipNormGrowthGlobalState
 
-    def divisor_and_reference(n, prev, first, measurable):
+    def divisor_and_reference(n, prev, first, measurable, hp):
         """Divisor ``d`` and the next reference norm for a group of norm ``n`` (spec §2.8)."""
         if not measurable:
             return jnp.ones_like(n), prev
-        p = prev if min_value is None else jnp.maximum(prev, _const(min_value, prev))
+        p = prev if min_value is None else jnp.maximum(prev, _const(hp.min_value, prev))
         d = jnp.ones_like(n)
         if add is not None:
-            cap = p + _const(add, p)
+            cap = p + _const(hp.add, p)
             d = jnp.where(n > cap, n / cap, d)
         if mul is not None:
-            cap = p * _const(mul, p)
+            cap = p * _const(hp.mul, p)
             d = jnp.where(n > cap, jnp.maximum(d, n / cap), d)
         # torchzero also floors d at min_value here (§4 D13): min_value floors the reference only.
         new_prev = n / d
         if max_decay is not None:
-            new_prev = jnp.where(n / p < 1 / _const(max_decay, p), p / _const(max_decay, p),
+            decay = _const(hp.max_decay, p)
+            new_prev = jnp.where(n / p < 1 / decay, p / decay,
                                  new_prev)
         if min_value is not None:
-            new_prev = jnp.maximum(new_prev, _const(min_value, new_prev))
+            new_prev = jnp.maximum(new_prev, _const(hp.min_value, new_prev))
         # The first norm is stored as measured; the min_value floor applies when it is used.
         return jnp.where(first, 1, d), jnp.where(first, n, new_prev)
 
@@ -268,6 +284,7 @@ def clip_norm_growth(
         checks.matches_init(init_fn, updates, state)
         del params
         first = state.count == 0
+        hp = _limits_at(state.count, add, mul, min_value, max_decay)
         leaves, treedef = jax.tree.flatten(updates, is_leaf=lambda x: x is None)
         floats = [x for x in leaves if norms.is_float(x)]
         if parameterwise:
@@ -277,7 +294,7 @@ def clip_norm_growth(
                 if norms.is_float(x):
                     measurable = norms.metric_defined(ord, x.size)
                     n = norms.leaf_norm(x, ord) if measurable else jnp.zeros_like(prev)
-                    per_leaf[i] = (n, *divisor_and_reference(n, prev, first, measurable))
+                    per_leaf[i] = (n, *divisor_and_reference(n, prev, first, measurable, hp))
             norm, divisor, prev_norm = (
                 treedef.unflatten([p[k] if p else None for p in per_leaf]) for k in range(3))
             outputs = [norms.divide(x, p[1]) if p else x for x, p in zip(leaves, per_leaf)]
@@ -285,7 +302,8 @@ def clip_norm_growth(
             measurable = norms.metric_defined(ord, sum(x.size for x in floats))
             norm = (norms.global_norm(floats, ord).astype(state.prev_norm.dtype) if measurable
                     else jnp.zeros_like(state.prev_norm))
-            divisor, prev_norm = divisor_and_reference(norm, state.prev_norm, first, measurable)
+            divisor, prev_norm = divisor_and_reference(norm, state.prev_norm, first, measurable,
+                                                       hp)
             outputs = [norms.divide(x, divisor) for x in leaves]
 
         clipped = jax.tree.map(lambda d: d > 1, divisor)

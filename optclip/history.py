@@ -698,6 +698,7 @@ class ZClipState(NamedTuple):
     clipped: jax.Array       # bool
     spikes: jax.Array        # int32 detected spikes
     nonfinite: jax.Array     # int32 calls with a non-finite norm (state left unchanged)
+    step: jax.Array          # int32 finite calls: the count that threshold schedules see
 
 
 def zclip(
@@ -776,10 +777,10 @@ def zclip(
       (0.55, 1)
     """
     checks.in_range("alpha", alpha, 0.0, 1.0)
-    checks.positive("z_thresh", z_thresh)
-    checks.positive("max_grad_norm", max_grad_norm, allow_none=True)
+    checks.positive("z_thresh", z_thresh, allow_schedule=True)
+    checks.positive("max_grad_norm", max_grad_norm, allow_none=True, allow_schedule=True)
     checks.non_negative("eps", eps)
-    checks.positive("clip_factor", clip_factor)
+    checks.positive("clip_factor", clip_factor, allow_schedule=True)
     checks.boolean("skip_update_on_spike", skip_update_on_spike)
     _check_parity(parity)
     fixed = parity == "fixed"
@@ -801,7 +802,8 @@ def zclip(
         zero = jnp.zeros([], dtype)
         return stats_lib.own_buffers(ZClipState(
             jnp.zeros([], jnp.int32), jnp.zeros((steps,), dtype), zero, zero, zero, zero,
-            zero + 1, jnp.zeros([], bool), jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32)))
+            zero + 1, jnp.zeros([], bool), jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32),
+            jnp.zeros([], jnp.int32)))
 
     def update_fn(updates, state, params=None):
         checks.matches_init(init_fn, updates, state)
@@ -810,7 +812,9 @@ def zclip(
         norm = norms.global_norm(updates).astype(dtype)
         count = state.count
         warm = count < steps
-        cap = None if max_grad_norm is None else jnp.asarray(max_grad_norm, dtype)
+        cap = None if max_grad_norm is None else checks.resolve(max_grad_norm, state.step, dtype)
+        z_limit = checks.resolve(z_thresh, state.step, dtype)
+        factor = checks.resolve(clip_factor, state.step, dtype)
 
         # Warm-up (§3.3 step 2): buffer the norm; the call that fills it starts the EMAs with
         # the buffer's mean and population variance.
@@ -823,17 +827,17 @@ def zclip(
 
         # Active (§3.3 steps 3-5).
         mean, var = state.mean, state.var
-        std = jnp.sqrt(var)
+        std = norms.safe_sqrt(var)
         if mode == "percentile":
-            threshold = mean + z_thresh * std
+            threshold = mean + z_limit * std
             spike = norm > threshold
         else:
             z = (norm - mean) / (std + eps)
-            spike = z > z_thresh
+            spike = z > z_limit
             if clip_option == "mean":
                 threshold = mean
             else:
-                threshold = clip_factor * (mean + z_thresh * std / (z / z_thresh))
+                threshold = factor * (mean + z_limit * std / (z / z_limit))
         if fixed:  # zclip Z1: a variance of 0 carries no information; detect nothing yet.
             spike = spike & ~_constant(mean, std)
         adaptive = jnp.where(spike, threshold, norm)
@@ -861,7 +865,8 @@ def zclip(
                 jnp.where(warm, norm if cap is None else cap, eff).astype(dtype), state.threshold),
             scale=stats_lib.keep_finite(scale, state.scale), clipped=scale < 1,
             spikes=state.spikes + (finite & ~warm & spike).astype(jnp.int32),
-            nonfinite=state.nonfinite + (~finite).astype(jnp.int32))
+            nonfinite=state.nonfinite + (~finite).astype(jnp.int32),
+            step=stats_lib.step_count(state.step, finite))
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -882,6 +887,7 @@ class QuantileClipState(NamedTuple):
     scale: Any            # factor applied
     clipped: Any          # bool
     nonfinite: jax.Array  # int32 calls with a non-finite norm (state left unchanged)
+    step: jax.Array       # int32 finite calls: the count that a ``quantile`` schedule sees
 
 
 @stats_lib.diagnostic("standard_clip", _AUTOCLIP_FIELDS)
@@ -894,6 +900,7 @@ class StandardClipState(NamedTuple):
     scale: Any
     clipped: Any
     nonfinite: jax.Array
+    step: jax.Array
 
 
 def _torch_lerp(a: jax.Array, b: jax.Array, w: jax.Array) -> jax.Array:
@@ -954,7 +961,7 @@ def _autoclip(threshold_fn, history_length, global_threshold, state_cls):
             jnp.zeros(batch + (history_length,), dtype),
             diag_tree(params, zeros), diag_tree(params, zeros),
             diag_tree(params, zeros + 1), diag_tree(params, zeros > 0),
-            jnp.zeros([], jnp.int32)))
+            jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32)))
 
     def update_fn(updates, state, params=None):
         checks.matches_init(init_fn, updates, state)
@@ -966,8 +973,9 @@ def _autoclip(threshold_fn, history_length, global_threshold, state_cls):
             norm = _stack([norms.leaf_norm(x, 2.0) for x in _float_leaves(updates)], dtype)
         # The threshold comes from past norms only (autoclip A5); none while the history is
         # empty, so call 1 is never clipped.
-        threshold = jnp.where(state.filled > 0, threshold_fn(state.history, state.filled),
-                              jnp.inf).astype(dtype)
+        threshold = jnp.where(
+            state.filled > 0, threshold_fn(state.history, state.filled, state.step),
+            jnp.inf).astype(dtype)
         scale = _torch_clip_factor(threshold, norm).astype(dtype)
         history = state.history.at[..., state.pos].set(norm)
         finite = jnp.all(jnp.isfinite(norm))
@@ -983,7 +991,8 @@ def _autoclip(threshold_fn, history_length, global_threshold, state_cls):
                 jnp.where(jnp.isinf(threshold), norm, threshold), state.threshold)),
             scale=diag_tree(updates, last_finite(scale, state.scale)),
             clipped=diag_tree(updates, scale < 1),
-            nonfinite=state.nonfinite + (~finite).astype(jnp.int32))
+            nonfinite=state.nonfinite + (~finite).astype(jnp.int32),
+            step=stats_lib.step_count(state.step, finite))
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -1027,8 +1036,12 @@ def quantile_clip(
       >>> round(float(optax.tree.norm(out)), 5)
       3.0
     """
-    checks.in_range("quantile", quantile, 0.0, 1.0)
-    return _autoclip(lambda h, k: _history_quantile(h, k, quantile), history_length,
+    checks.in_range("quantile", quantile, 0.0, 1.0, allow_schedule=True)
+
+    def threshold_fn(history, filled, step):
+        return _history_quantile(history, filled, checks.resolve(quantile, step, history.dtype))
+
+    return _autoclip(threshold_fn, history_length,
                      global_threshold, QuantileClipState)
 
 
@@ -1077,14 +1090,15 @@ def standard_clip(
       >>> round(float(state.threshold), 4), round(float(optax.tree.norm(out)), 4)
       (1.3266, 1.3266)
     """
-    checks.non_negative("deviations", deviations)
+    checks.non_negative("deviations", deviations, allow_schedule=True)
     checks.boolean("add_mean", add_mean)
     _check_parity(parity)
     min_filled = 1 if parity == "reference" else 2
 
-    def threshold_fn(history, filled):
+    def threshold_fn(history, filled, step):
         mean, std = _history_mean_std(history, filled)
-        threshold = mean + deviations * std if add_mean else deviations * std
+        spread = checks.resolve(deviations, step, history.dtype) * std
+        threshold = mean + spread if add_mean else spread
         return jnp.where(filled >= min_filled, threshold, jnp.inf)
 
     return _autoclip(threshold_fn, history_length, global_threshold, StandardClipState)

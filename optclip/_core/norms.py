@@ -166,6 +166,15 @@ def _plain_slice_norm(x: jax.Array, ord: float | str, axes: tuple[int, ...]) -> 
     return safe_root(jnp.sum(jnp.abs(x) ** ord, **reduce), ord)
 
 
+def sees_nonfinite(ord: float | str) -> bool:
+    """Whether a NaN or Inf element always makes the metric non-finite.
+
+    Not for ``0`` (counts non-zeros), negative orders (``|inf|**p = 0``) or ``-inf`` (the
+    minimum): with those a transform must also check the updates themselves.
+    """
+    return not (ord == 0.0 or ord == -math.inf or (isinstance(ord, float) and ord < 0))
+
+
 def metric_defined(ord: float | str, size: int) -> bool:
     """Whether a group of ``size`` elements has a metric worth scaling by.
 

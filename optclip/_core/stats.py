@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from optclip._core import norms
 
@@ -114,6 +115,11 @@ def zeros_like_shapes(shapes: Any) -> Any:
     """
     return jax.tree.map(
         lambda s: jnp.zeros(s.shape, s.dtype, out_sharding=getattr(s, "sharding", None)), shapes)
+
+
+def step_count(count: jax.Array, finite: jax.Array) -> jax.Array:
+    """``count + 1`` after a finite step; a non-finite one leaves a schedule's clock alone."""
+    return jnp.where(finite, optax.safe_increment(count), count)
 
 
 def count_nonfinite(nonfinite: jax.Array, finite: jax.Array) -> jax.Array:

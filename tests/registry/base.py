@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -16,6 +17,27 @@ def default_tree(dtype=jnp.float32, seed: int = 0) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
     return {"w": jnp.asarray(rng.normal(size=(8, 4)) * 3, dtype),
             "b": jnp.asarray(rng.normal(size=(4,)), dtype)}
+
+
+def _f64(tree) -> list[np.ndarray]:
+    return [np.asarray(x, np.float64) for x in jax.tree.leaves(tree)]
+
+
+# Bounds are checked in float64 with a tolerance that covers float16 outputs.
+BOUND_RTOL = 1e-2
+
+
+def max_abs_at_most(bound: float) -> Callable[[Any], bool]:
+    return lambda out: all(np.all(np.abs(x) <= bound) for x in _f64(out))
+
+
+def global_norm_at_most(bound: float) -> Callable[[Any], bool]:
+    return lambda out: np.sqrt(sum(np.sum(x ** 2) for x in _f64(out))) <= bound * (1 + BOUND_RTOL)
+
+
+def row_norms_at_most(bound: float, leaf: str) -> Callable[[Any], bool]:
+    return lambda out: np.all(np.linalg.norm(np.asarray(out[leaf], np.float64), axis=-1)
+                              <= bound * (1 + BOUND_RTOL))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,9 +10,14 @@ _NORM_BAD_ARGS = (({"beta": 1.5}, "beta"), ({"ord": "l7"}, "ord"), ({"eps": -1.0
 
 ENTRIES = [
     Entry("clip_norm_by_ema", lambda: optclip.clip_norm_by_ema(beta=0.5, ord="std"),
-          bad_args=_NORM_BAD_ARGS),
+          bad_args=_NORM_BAD_ARGS,
+          thresholds={"max_ema_growth": {"beta": 0.5, "max_ema_growth": 1.2}},
+          ord_kwargs={"beta": 0.5}),
     Entry("normalize_by_ema", lambda: optclip.normalize_by_ema(beta=0.9, tensorwise=False),
-          bad_args=_NORM_BAD_ARGS),
+          bad_args=_NORM_BAD_ARGS,
+          thresholds={"max_ema_growth": {"beta": 0.9, "tensorwise": False,
+                                         "max_ema_growth": 1.2}},
+          ord_kwargs={"beta": 0.9, "tensorwise": False}),
     Entry("clip_value_by_ema",
           lambda: optclip.clip_value_by_ema(beta=0.5, ema_transform=optax.scale(2.0)),
           bad_args=(({"beta": -0.1}, "beta"), ({"ema_init": 1.0}, "ema_init"),
