@@ -266,7 +266,6 @@ def clip_value(value: ScalarOrSchedule) -> optax.GradientTransformation:
                               jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
-        checks.matches_init(init_fn, updates, state)
         del params
         bound = checks.resolve(value, state.count)
         measured = max_abs(updates)
@@ -276,7 +275,7 @@ def clip_value(value: ScalarOrSchedule) -> optax.GradientTransformation:
             state, stats_lib.all_finite(measured),
             max_abs=stats_lib.keep_finite(measured, state.max_abs), clipped=clipped)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn)
 
 
 def clip_by_global_norm(max_norm: ScalarOrSchedule = 1.0, ord: Ord = 2
@@ -319,7 +318,6 @@ def clip_by_global_norm(max_norm: ScalarOrSchedule = 1.0, ord: Ord = 2
                                jnp.zeros([], bool), jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
-        checks.matches_init(init_fn, updates, state)
         del params
         bound = checks.resolve(max_norm, state.count, norms.stat_dtype())
         norm = norms.global_norm(updates, ord)
@@ -331,7 +329,7 @@ def clip_by_global_norm(max_norm: ScalarOrSchedule = 1.0, ord: Ord = 2
             scale=stats_lib.keep_finite(factor.astype(state.scale.dtype), state.scale),
             clipped=norm > bound)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn)
 
 
 def clip_norm(
@@ -389,7 +387,6 @@ def clip_norm(
                              jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
-        checks.matches_init(init_fn, updates, state)
         del params
         bound = checks.resolve(max_norm, state.count, norms.stat_dtype())
         new_updates, measured = measure(updates, bound)
@@ -398,7 +395,7 @@ def clip_norm(
             state, _finite(ord, updates, measured),
             norm=stats_lib.keep_finite(measured, state.norm), clipped=clipped)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn)
 
 
 def normalize(
@@ -449,7 +446,6 @@ def normalize(
         return state_cls(jnp.zeros([], jnp.int32), zeros, jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
-        checks.matches_init(init_fn, updates, state)
         del params
         target = checks.resolve(norm_value, state.count, norms.stat_dtype())
         new_updates, measured = measure(updates, target)
@@ -457,7 +453,7 @@ def normalize(
             state, _finite(ord, updates, measured),
             norm=stats_lib.keep_finite(measured, state.norm))
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn)
 
 
 def centralize(dim: Dim = None, inverse_dims: bool = False, min_size: int = 2
@@ -511,7 +507,7 @@ def centralize(dim: Dim = None, inverse_dims: bool = False, min_size: int = 2
         mean = total / max(sum(g.size for g in leaves), 1)
         return norms.float_map(lambda g: centre(g, mean), updates), state
 
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+    return checks.transformation(lambda params: optax.EmptyState(), update_fn)
 
 
 def zscore_normalize(eps: float = 1e-8) -> optax.GradientTransformation:
@@ -553,5 +549,5 @@ def zscore_normalize(eps: float = 1e-8) -> optax.GradientTransformation:
         del params
         return jax.tree.map(one_leaf, updates), state
 
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+    return checks.transformation(lambda params: optax.EmptyState(), update_fn)
 

@@ -189,7 +189,6 @@ def _norm_by_ema(normalize, beta, ord, eps, tensorwise, max_ema_growth, ema_init
             state_cls(zero, ema, scalar, scalar, ones, flags, flags, zero))
 
     def update_fn(updates, state, params=None):
-        checks.matches_init(init_fn, updates, state)
         del params
         leaves, (old_ema,), treedef = norms.flatten_with(updates, state.ema)
         first = state.count == 0
@@ -238,7 +237,7 @@ def _norm_by_ema(normalize, beta, ord, eps, tensorwise, max_ema_growth, ema_init
                         norm, divisor, clipped, capped, state.nonfinite)
         return new_updates, commit_step(ok, new, state)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn)
 
 
 def clip_norm_by_ema(
@@ -409,7 +408,6 @@ def clip_value_by_ema(
             jax.tree.map(lambda s: jnp.zeros((), bool), per_leaf), zero))
 
     def update_fn(updates, state, params=None):
-        checks.matches_init(init_fn, updates, state)
         leaves, (old_ema,), treedef = norms.flatten_with(updates, state.ema)
         first = state.count == 0
         ema = []
@@ -443,4 +441,4 @@ def clip_value_by_ema(
                                   state.nonfinite)
         return treedef.unflatten(outputs), commit_step(ok, new, state)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn)

@@ -166,7 +166,6 @@ def clip_value_growth(
             zero, prev, ratio, jax.tree.map(lambda r: jnp.zeros((), bool), ratio), zero))
 
     def update_fn(updates, state, params=None):
-        checks.matches_init(init_fn, updates, state)
         del params
         leaves, (prevs,), treedef = norms.flatten_with(updates, state.prev)
         first = state.count == 0
@@ -180,7 +179,7 @@ def clip_value_growth(
                                    clipped, state.nonfinite)
         return outputs, commit_step(ok, new, state)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn)
 
 
 def clip_norm_growth(
@@ -281,7 +280,6 @@ def clip_norm_growth(
             jax.tree.map(lambda s: jnp.zeros((), bool), scalar), zero))
 
     def update_fn(updates, state, params=None):
-        checks.matches_init(init_fn, updates, state)
         del params
         first = state.count == 0
         hp = _limits_at(state.count, add, mul, min_value, max_decay)
@@ -312,4 +310,4 @@ def clip_norm_growth(
                         state.nonfinite)
         return treedef.unflatten(outputs), commit_step(ok, new, state)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn)

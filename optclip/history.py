@@ -504,7 +504,6 @@ def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_
         return warmup_transform.update(updates, state.warmup_state, params)
 
     def update_fn(updates, state, params=None):
-        checks.matches_init(init_fn, updates, state)
         dtype = state.warmup_norms.dtype
         norm = measure(updates, dtype)
         count = state.count
@@ -564,7 +563,7 @@ def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_
                 finite, jnp.sum(~warm & should & clipped, dtype=jnp.int32), 0),
             nonfinite=state.nonfinite + (~finite).astype(jnp.int32))
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn)
 
 
 def _stack_diag(tree: Any, per_leaf: bool, dtype) -> jax.Array:
@@ -806,7 +805,6 @@ def zclip(
             jnp.zeros([], jnp.int32)))
 
     def update_fn(updates, state, params=None):
-        checks.matches_init(init_fn, updates, state)
         del params
         dtype = state.mean.dtype
         norm = norms.global_norm(updates).astype(dtype)
@@ -868,7 +866,7 @@ def zclip(
             nonfinite=state.nonfinite + (~finite).astype(jnp.int32),
             step=stats_lib.step_count(state.step, finite))
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -964,7 +962,6 @@ def _autoclip(threshold_fn, history_length, global_threshold, state_cls):
             jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32)))
 
     def update_fn(updates, state, params=None):
-        checks.matches_init(init_fn, updates, state)
         del params
         dtype = state.history.dtype
         if global_threshold:
@@ -994,7 +991,7 @@ def _autoclip(threshold_fn, history_length, global_threshold, state_cls):
             nonfinite=state.nonfinite + (~finite).astype(jnp.int32),
             step=stats_lib.step_count(state.step, finite))
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn)
 
 
 def quantile_clip(

@@ -333,6 +333,12 @@ def _l1_lmo(g: jax.Array, axes: tuple[int, ...]) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 # The random drop fraction (dq > 0): one draw per float leaf per step, from a key in the state.
 
+def _logged_q(q: Any) -> jax.Array:
+    """``q`` as drawn (float32, as torch) and stored in the statistics dtype (float64 under
+    x64, like every statistic)."""
+    return jnp.asarray(q, jnp.float32).astype(norms.stat_dtype())
+
+
 class _DropFraction:
     """Static-or-drawn ``q`` per leaf and the matching ``k`` (spec §2.5 steps 1-2, §4.2)."""
 
@@ -343,7 +349,7 @@ class _DropFraction:
     def init(self, params: Any) -> tuple[jax.Array, Any, Any]:
         """The key, and ``q``/``k`` trees holding ``q`` and 0 until the first step."""
         key = jax.random.PRNGKey(self.seed)
-        q = _per_leaf(lambda x: jnp.asarray(self.q, jnp.float32), params)
+        q = _per_leaf(lambda x: _logged_q(self.q), params)
         k = _per_leaf(lambda x: jnp.zeros((), jnp.int32), params)
         return key, q, k
 
@@ -356,7 +362,7 @@ class _DropFraction:
         k_of: list[Any] = [None] * len(leaves)
         if self.static:
             for i in floats:
-                q_of[i] = jnp.asarray(self.q, jnp.float32)
+                q_of[i] = _logged_q(self.q)
                 k_of[i] = _static_k(self.q, sizes[i])
             return key, q_of, k_of
         key, subkey = jax.random.split(key)
@@ -369,7 +375,7 @@ class _DropFraction:
         # float available (the reference uses double; float32 can differ only at exact .5).
         q_t = (q_hi - q_lo) * u + q_lo
         for j, i in enumerate(floats):
-            q_of[i] = q_t[j]
+            q_of[i] = _logged_q(q_t[j])
             k_of[i] = _traced_k(q_t[j], sizes[i])
         return key, q_of, k_of
 
@@ -412,7 +418,7 @@ def sign(grad_scale: float = 1.0, grad_bias: float = 0.0) -> optax.GradientTrans
         del params
         return norms.float_map(lambda g: _affine(_sign(g), grad_scale, grad_bias), updates), state
 
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+    return checks.transformation(lambda params: optax.EmptyState(), update_fn)
 
 
 def _lp_normalize(ord: float, state_cls: type, name: str, param_ndim: int | None, eps: Any,
@@ -435,14 +441,13 @@ def _lp_normalize(ord: float, state_cls: type, name: str, param_ndim: int | None
         return state_cls(measured, jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
-        checks.matches_init(init_fn, updates, state)
         del params
         new_updates, measured = apply(updates)
         finite = stats_lib.all_finite(updates)
         return new_updates, state_cls(stats_lib.keep_if(finite, measured, state.norm),
                                       stats_lib.count_nonfinite(state.nonfinite, finite))
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn)
 
 
 def l1_normalize(param_ndim: int | None = -1, eps: float = TINY, grad_scale: float = 1.0,
@@ -526,7 +531,6 @@ def _top_q_family(name: str, state_cls: type, q: Any, dq: Any, param_ndim: int |
         return state_cls(*fraction.init(params), jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
-        checks.matches_init(init_fn, updates, state)
         del params
         leaves, treedef = jax.tree.flatten(updates)
         key, q_of, k_of = fraction.draw(state.key, leaves, axes_of)
@@ -539,7 +543,7 @@ def _top_q_family(name: str, state_cls: type, q: Any, dq: Any, param_ndim: int |
         return treedef.unflatten(new_leaves), new_state._replace(
             nonfinite=stats_lib.count_nonfinite(state.nonfinite, finite))
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn)
 
 
 def top_q(q: float, dq: float = 0.0, param_ndim: int | None = -1, grad_scale: float = 1.0,
@@ -669,7 +673,6 @@ def clamp(clamp_min: float | None = None, clamp_max: float | None = None,
                           jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
-        checks.matches_init(init_fn, updates, state)
         del params
         clamped = norms.float_map(lambda g: _clip(g, clamp_min, clamp_max), updates)
         clipped = jax.tree.map(lambda g, c: jnp.any(g != c) if norms.is_float(g) else None,
@@ -679,7 +682,7 @@ def clamp(clamp_min: float | None = None, clamp_max: float | None = None,
                                stats_lib.count_nonfinite(state.nonfinite, finite))
         return norms.float_map(lambda g: _affine(g, grad_scale, grad_bias), clamped), new_state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn)
 
 
 def _clip(x: jax.Array, low: Any, high: Any) -> jax.Array:
@@ -700,7 +703,6 @@ def _projection(name: str, project, init_diag, state_cls: type) -> optax.Gradien
         return state_cls(*init_diag(params), jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
-        checks.matches_init(init_fn, updates, state)
         _require_params(params, name)
         targets = jax.tree.map(lambda u, p: (p + u).astype(p.dtype) if norms.is_float(u) else p,
                                updates, params)
@@ -714,7 +716,7 @@ def _projection(name: str, project, init_diag, state_cls: type) -> optax.Gradien
         kept = stats_lib.keep_if(finite, tuple(diag), tuple(state[:n_diag]))
         return new_updates, state_cls(*kept, stats_lib.count_nonfinite(state.nonfinite, finite))
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn)
 
 
 def project_l2_ball(epsilon: float, param_ndim: int | None = -1, *, exact: bool = False
@@ -903,7 +905,6 @@ def _frank_wolfe(name: str, lmo, scaling: Any, learning_rate: Any, schedule: boo
         return L1qFrankWolfeState(*head, *fraction.init(params), jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
-        checks.matches_init(init_fn, updates, state)
         _require_params(params, name)
         alpha, a, b = _fw_coefficients(state.count, learning_rate, scaling, schedule, fw_eps,
                                        norms.stat_dtype())
@@ -926,7 +927,7 @@ def _frank_wolfe(name: str, lmo, scaling: Any, learning_rate: Any, schedule: boo
         return treedef.unflatten(new_leaves), new_state._replace(
             nonfinite=stats_lib.count_nonfinite(state.nonfinite, finite))
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn)
 
 
 def frank_wolfe(lmo_scaling_factor: float = 1.0, learning_rate: float = 2.0,

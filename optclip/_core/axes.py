@@ -55,10 +55,9 @@ def param_ndim_to_axes(param_ndim: int | None, ndim: int) -> tuple[int, ...]:
     if param_ndim is None:
         return tuple(range(ndim))
     if abs(param_ndim) > ndim:
-        raise ValueError(
-            f"|param_ndim| must be <= the rank of every leaf; got param_ndim={param_ndim} for a "
-            f"leaf of rank {ndim} (use param_ndim=None to treat each leaf as one slice)"
-        )
+        # A leaf of lower rank than |param_ndim| (a learned temperature, a bias) is one slice:
+        # rai_toolbox raises here (spec/lp_space.md §6 D12, D13).
+        return tuple(range(ndim))
     kept = param_ndim if param_ndim >= 0 else ndim + param_ndim
     return tuple(range(ndim - kept, ndim))
 

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 Schedule = Callable[[jax.Array], Any]
 ScalarOrSchedule = float | jax.Array | Schedule
@@ -143,6 +144,33 @@ def is_concrete_number(value: Any) -> bool:
     if isinstance(value, jax.core.Tracer) or callable(value) or value is None:
         return False
     return np.ndim(value) == 0 and isinstance(np.asarray(value).item(), (int, float))
+
+
+def arrays(tree: Any) -> Any:
+    """``tree`` with Python-float leaves as 0-d arrays (convention 11: clipped like them).
+
+    Python ints and bools, like integer arrays, are left as they are (they pass through).
+    """
+    return jax.tree.map(lambda x: jnp.asarray(x) if isinstance(x, float) else x, tree)
+
+
+def transformation(init_fn: Callable[[Any], Any], update_fn: Callable[..., Any]
+                   ) -> optax.GradientTransformation:
+    """The ``optax.GradientTransformation`` of ``init_fn``/``update_fn``, with the tree contract.
+
+    Every transform is built here, so all of them: see Python-float leaves as 0-d arrays
+    (:func:`arrays`), and refuse an ``update`` on a tree that does not match the one ``init``
+    was given (:func:`matches_init`, a trace-time check naming the leaf).
+    """
+    def init(params):
+        return init_fn(arrays(params))
+
+    def update(updates, state, params=None):
+        updates = arrays(updates)
+        matches_init(init_fn, updates, state)
+        return update_fn(updates, state, None if params is None else arrays(params))
+
+    return optax.GradientTransformation(init, update)
 
 
 def matches_init(init_fn: Callable[[Any], Any], updates: Any, state: Any) -> None:
