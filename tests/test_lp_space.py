@@ -886,7 +886,7 @@ def test_empty_and_masked_trees():
     (lambda: optclip.sign(grad_scale="2"), "grad_scale"),
 ])
 def test_bad_hyperparameters_fail_at_construction(call, match):
-    with pytest.raises((TypeError, ValueError), match=match):
+    with pytest.raises((TypeError, ValueError), match=rf"\b{match}\b"):
         call()
 
 
