@@ -397,13 +397,19 @@ def test_norms_are_scale_safe(entry, dtype, magnitude):
     """Convention 13: finite gradients up to the dtype's range give finite, clipped outputs."""
     tx = entry.make()
     params = _params(entry, dtype)
-    grads = [_huge(entry, dtype, magnitude), _huge(entry, dtype, magnitude / 3)]
-    outs, state = _run(jax.jit(tx.update), tx.init(params), grads, params)
-    for out in outs:
-        for leaf in jax.tree.leaves(out):
-            assert np.all(np.isfinite(np.asarray(leaf, np.float64)))
+    # Enough steps for the warm-ups of the registry's history-based entries to end.
+    factors = (1.0, 1 / 3, 1 / 2, 1.0)
+    update = jax.jit(tx.update)
+    outs, state = _run(update, tx.init(params), [_huge(entry, dtype, magnitude * f)
+                                                 for f in factors], params)
+    # The same steps at magnitude ~1: a leaf that comes out non-zero there must not be zeroed.
+    plain, _ = _run(update, tx.init(params), [_huge(entry, dtype, f) for f in factors], params)
+    for out, reference in zip(outs, plain):
+        for name, leaf in out.items():
+            assert np.all(np.isfinite(np.asarray(leaf, np.float64))), name
+            if np.any(np.asarray(reference[name]) != 0):
+                assert np.any(np.asarray(leaf) != 0), f"{name} zeroed"
         assert entry.bound is None or entry.bound(out)
-        assert not all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(out)), "zeroed"
     for leaf in _float_leaves(state):
         assert np.all(np.isfinite(np.asarray(leaf, np.float64)))
 
@@ -487,3 +493,13 @@ def test_float64_leaves_are_clipped_to_the_float64_threshold(make):
         out, _ = jax.jit(tx.update)(g, tx.init(g))
         assert out.dtype == jnp.float64
         assert float(out[0]) == 0.07
+
+
+def test_zclip_with_its_default_cap_is_scale_safe():
+    """ZClip's warm-up cap (``max_grad_norm=1.0``) on float32 elements of 1e20."""
+    tx = optclip.zclip(warmup_steps=2)
+    g = {"w": jnp.full((4, 4), 1e20, jnp.float32)}
+    state = tx.init(g)
+    for _ in range(3):
+        out, state = jax.jit(tx.update)(g, state)
+        np.testing.assert_allclose(optax.tree.norm(out), 1.0, rtol=1e-5)
