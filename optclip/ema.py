@@ -271,8 +271,9 @@ def clip_norm_by_ema(
         ``min_norm``); unused when ``max_ema_growth`` is ``None``.
       tensorwise: ``True``: each leaf against its own EMA; ``False``: all leaves as one vector
         (global norms from per-leaf partial reductions).
-      max_ema_growth: ``> 0`` or ``None``: the EMA norm may grow at most by this factor per
-        step; larger EMAs are rescaled in the state.
+      max_ema_growth: ``> 0``, ``None`` or an optax schedule ``count -> value`` (``count``:
+        finite steps taken): the EMA norm may grow at most by this factor per step; larger
+        EMAs are rescaled in the state.
       ema_init: ``'zeros'`` (the first output is ``(1 - beta) x``) or ``'update'`` (the EMA
         starts at the first update, which passes unchanged).
 

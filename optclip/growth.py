@@ -101,6 +101,9 @@ def clip_value_growth(
 
     With ``add`` and ``mul`` both ``None`` the transform is the identity.
 
+    Each limit (``add``, ``mul``, ``min_value``, ``max_decay``) takes a number or an optax
+    schedule ``count -> value``, ``count`` being the number of finite steps taken.
+
     Args:
       add: ``>= 0`` or ``None``: additive cap, ``|x| <= |p| + add``.
       mul: ``> 0`` or ``None``: multiplicative cap, ``|x| <= mul * max(|p|, min_value)``.
@@ -202,6 +205,9 @@ def clip_norm_growth(
 
     so ``||x_out|| <= min(p' + add, p' * mul)``. With ``add`` and ``mul`` both ``None`` the
     transform is the identity.
+
+    Each limit (``add``, ``mul``, ``min_value``, ``max_decay``) takes a number or an optax
+    schedule ``count -> value``, ``count`` being the number of finite steps taken.
 
     Args:
       add: ``>= 0`` or ``None``: additive cap on the norm.

@@ -732,7 +732,9 @@ def zclip(
 
     Args:
       alpha: EMA decay, the weight of the old value, in ``[0, 1]``.
-      z_thresh: z-score threshold (std multiplier in percentile mode), ``> 0``.
+      z_thresh: z-score threshold (std multiplier in percentile mode), ``> 0``. This,
+        ``max_grad_norm`` and ``clip_factor`` also take an optax schedule ``count -> value``,
+        ``count`` being the number of finite calls (``state.step``).
       max_grad_norm: cap on the threshold after the warm-up and clip norm during it, ``> 0``,
         or ``None`` for neither. The default 1.0 (zclip 1.0.0's code; its README says ``None``)
         makes ZClip also a fixed clip at 1.0 on every call (Z5).
@@ -747,10 +749,13 @@ def zclip(
         scaled value is what the EMA sees (the reference's code; its docstring says only the
         ``z_thresh * std`` term: Z4).
       skip_update_on_spike: leave the EMAs untouched on a spike.
-      parity: ``"fixed"`` (default) detects spikes only once ``std > 0`` (with a variance of 0
-        the reference pins every larger norm to the mean, or to 0 after all-zero warm-up
-        gradients, for good: Z1); ``"reference"`` reproduces that and allows
-        ``warmup_steps < 2``.
+      parity: ``"fixed"`` (default) detects spikes only once ``std`` exceeds rounding noise,
+        ``16 eps |mean|`` (with a variance of 0 the reference pins every larger norm to the
+        mean, or to 0 after all-zero warm-up gradients, for good: Z1; identical warm-up norms
+        of 0.1 leave a float32 variance of about 1e-16, which counts as 0 here);
+        ``"reference"`` reproduces that and allows ``warmup_steps < 2``. A variance beyond
+        the statistics dtype's range (norms near 1e20 in float32) is kept at its largest
+        finite value.
 
     Returns:
       An ``optax.GradientTransformation``. Its state logs ``norm`` (pre-clip), ``threshold``
@@ -1007,7 +1012,8 @@ def quantile_clip(
     is judged on its own norm); ``global_threshold=True`` uses the global norm.
 
     Args:
-      quantile: in ``[0, 1]`` (a fraction, not a percentile).
+      quantile: in ``[0, 1]`` (a fraction, not a percentile), or an optax schedule
+        ``count -> value`` (``count``: finite calls so far, ``state.step``).
       history_length: ``L``, the window (a ring buffer of ``L`` norms, per leaf in local mode).
       global_threshold: one history of the global norm instead of one per leaf.
 
@@ -1059,7 +1065,8 @@ def standard_clip(
     ``add_mean=True`` uses ``mean(h) + deviations * std(h)`` instead.
 
     Args:
-      deviations: ``>= 0``.
+      deviations: ``>= 0``, or an optax schedule ``count -> value`` (``count``: finite calls
+        so far, ``state.step``).
       history_length: ``L``, the window (a ring buffer of ``L`` norms, per leaf in local mode).
       global_threshold: one history of the global norm instead of one per leaf.
       add_mean: threshold ``mean + deviations * std`` instead of autoclip's ``deviations *

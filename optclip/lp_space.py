@@ -164,17 +164,6 @@ def _check_q(q: Any, dq: Any, seed: Any) -> None:
     checks.integer("seed", seed, low=0)
 
 
-def _check_param_ndim_on(tree: Any, param_ndim: int | None, name: str) -> None:
-    """At ``init``: every float leaf must accept ``param_ndim`` (spec §1.1; §6 D12, D13)."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if norms.is_float(leaf):
-            try:
-                axes_lib.reduction_axes(leaf.ndim, param_ndim=param_ndim)
-            except ValueError as error:
-                raise ValueError(f"{name}: leaf {jax.tree_util.keystr(path) or '<root>'} of "
-                                 f"shape {tuple(leaf.shape)}: {error}") from None
-
-
 def _slice_axes(x: jax.Array, param_ndim: int | None) -> tuple[int, ...]:
     return axes_lib.reduction_axes(x.ndim, param_ndim=param_ndim)
 
@@ -436,7 +425,6 @@ def _lp_normalize(ord: float, state_cls: type, name: str, param_ndim: int | None
         return norms.tree_unzip(lambda g: leaf(g) if norms.is_float(g) else (g, None), updates, 2)
 
     def init_fn(params):
-        _check_param_ndim_on(params, param_ndim, name)
         measured = stats_lib.zeros_like_shapes(jax.eval_shape(lambda p: apply(p)[1], params))
         return state_cls(measured, jnp.zeros([], jnp.int32))
 
@@ -464,8 +452,9 @@ def l1_normalize(param_ndim: int | None = -1, eps: float = TINY, grad_scale: flo
 
     Returns:
       An ``optax.GradientTransformation`` whose state logs each slice's L1 ``norm`` before
-      normalizing and a ``nonfinite`` step count. ``|param_ndim|`` larger than a leaf's rank
-      raises ``ValueError`` at ``init``.
+      normalizing and a ``nonfinite`` step count. A leaf of lower rank than ``|param_ndim|``
+      (a 0-d temperature, a 1-D leaf with ``param_ndim=2``) is one slice; rai_toolbox raises
+      there (spec §6 D12, D13).
 
     References:
       rai_toolbox ``L1NormedGradientOptim`` (spec/lp_space.md §2.2). The norm is accumulated in
@@ -527,7 +516,6 @@ def _top_q_family(name: str, state_cls: type, q: Any, dq: Any, param_ndim: int |
     axes_of = lambda g: _slice_axes(g, param_ndim)
 
     def init_fn(params):
-        _check_param_ndim_on(params, param_ndim, name)
         return state_cls(*fraction.init(params), jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
@@ -769,7 +757,6 @@ def project_l2_ball(epsilon: float, param_ndim: int | None = -1, *, exact: bool 
                 jnp.squeeze(outside, axis=axes))
 
     def init_diag(params):
-        _check_param_ndim_on(params, param_ndim, "project_l2_ball")
         shapes = jax.eval_shape(lambda p: norms.tree_unzip(
             lambda x: project(x)[1:] if norms.is_float(x) else (None, None), p, 2), params)
         return tuple(stats_lib.zeros_like_shapes(s) for s in shapes)
@@ -898,7 +885,6 @@ def _frank_wolfe(name: str, lmo, scaling: Any, learning_rate: Any, schedule: boo
     axes_of = lambda g: _slice_axes(g, param_ndim)
 
     def init_fn(params):
-        _check_param_ndim_on(params, param_ndim, name)
         head = (jnp.zeros([], jnp.int32), jnp.zeros([], norms.stat_dtype()))
         if fraction is None:
             return FrankWolfeState(*head, jnp.zeros([], jnp.int32))

@@ -39,9 +39,9 @@ def test_reduction_axes(ndim, kwargs, expected):
 
 
 @pytest.mark.parametrize("param_ndim", [4, -4])
-def test_param_ndim_larger_than_rank_is_rejected(param_ndim):
-    with pytest.raises(ValueError, match=r"\|param_ndim\| must be <= the rank"):
-        axes.reduction_axes(3, param_ndim=param_ndim)
+def test_param_ndim_larger_than_rank_makes_the_leaf_one_slice(param_ndim):
+    assert axes.reduction_axes(3, param_ndim=param_ndim) == (0, 1, 2)
+    assert axes.reduction_axes(0, param_ndim=param_ndim) == ()
 
 
 @pytest.mark.parametrize("ord, expected", [
