@@ -90,6 +90,7 @@ class L1qState(NamedTuple):
 class ClampState(NamedTuple):
     clipped: Any          # per leaf: whether any element was clamped
     nonfinite: jax.Array
+    count: jax.Array      # int32 finite steps: the count that threshold schedules see
 
 
 @stats_lib.diagnostic("project_l2_ball", ("norm", "projected", "nonfinite"),
@@ -98,18 +99,21 @@ class ProjectL2BallState(NamedTuple):
     norm: Any             # per leaf: the norm of every slice of params + u before projecting
     projected: Any        # per leaf: per slice, whether it was scaled into the ball
     nonfinite: jax.Array
+    count: jax.Array      # int32 finite steps: the count that an ``epsilon`` schedule sees
 
 
 @stats_lib.diagnostic("project_linf_ball", ("projected", "nonfinite"), per_leaf=("projected",))
 class ProjectLinfBallState(NamedTuple):
     projected: Any        # per leaf: whether any element of params + u was moved
     nonfinite: jax.Array
+    count: jax.Array
 
 
 @stats_lib.diagnostic("clamp_params", ("projected", "nonfinite"), per_leaf=("projected",))
 class ClampParamsState(NamedTuple):
     projected: Any
     nonfinite: jax.Array
+    count: jax.Array
 
 
 @stats_lib.diagnostic("frank_wolfe", ("count", "alpha", "nonfinite"))
@@ -150,8 +154,8 @@ def _check_affine(grad_scale: Any, grad_bias: Any) -> None:
 def _check_bounds(clamp_min: Any, clamp_max: Any) -> None:
     if clamp_min is None and clamp_max is None:
         raise ValueError("clamp_min and clamp_max cannot both be None; set at least one bound")
-    checks.in_range("clamp_min", clamp_min, allow_none=True)
-    checks.in_range("clamp_max", clamp_max, allow_none=True)
+    checks.in_range("clamp_min", clamp_min, allow_none=True, allow_schedule=True)
+    checks.in_range("clamp_max", clamp_max, allow_none=True, allow_schedule=True)
     if (checks.is_concrete_number(clamp_min) and checks.is_concrete_number(clamp_max)
             and float(np.asarray(clamp_min)) > float(np.asarray(clamp_max))):
         raise ValueError(f"clamp_min must be <= clamp_max, got clamp_min={clamp_min!r} > "
@@ -634,8 +638,10 @@ def clamp(clamp_min: float | None = None, clamp_max: float | None = None,
     A ``None`` bound is absent. Scale and bias come after, so the output can leave the bounds.
 
     Args:
-      clamp_min: lower bound or ``None``.
-      clamp_max: upper bound or ``None`` (at least one must be set; ``clamp_min <= clamp_max``).
+      clamp_min: lower bound, ``None`` or an optax schedule ``count -> value`` (``count``:
+        finite steps taken).
+      clamp_max: upper bound, ``None`` or a schedule (at least one must be set;
+        ``clamp_min <= clamp_max``).
       grad_scale: multiplies the clamped gradient.
       grad_bias: then added to every element.
 
@@ -658,19 +664,26 @@ def clamp(clamp_min: float | None = None, clamp_max: float | None = None,
 
     def init_fn(params):
         return ClampState(_per_leaf(lambda x: jnp.zeros((), bool), params),
-                          jnp.zeros([], jnp.int32))
+                          jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
         del params
-        clamped = norms.float_map(lambda g: _clip(g, clamp_min, clamp_max), updates)
+        low, high = _bounds_at(state.count, clamp_min, clamp_max)
+        clamped = norms.float_map(lambda g: _clip(g, low, high), updates)
         clipped = jax.tree.map(lambda g, c: jnp.any(g != c) if norms.is_float(g) else None,
                                updates, clamped)
         finite = stats_lib.all_finite(updates)
         new_state = ClampState(stats_lib.keep_if(finite, clipped, state.clipped),
-                               stats_lib.count_nonfinite(state.nonfinite, finite))
+                               stats_lib.count_nonfinite(state.nonfinite, finite),
+                               stats_lib.step_count(state.count, finite))
         return norms.float_map(lambda g: _affine(g, grad_scale, grad_bias), clamped), new_state
 
     return checks.transformation(init_fn, update_fn)
+
+
+def _bounds_at(count: jax.Array, low: Any, high: Any) -> tuple[Any, Any]:
+    """Float-or-schedule bounds (``None``: unbounded) resolved at ``count``."""
+    return tuple(None if b is None else checks.resolve(b, count) for b in (low, high))
 
 
 def _clip(x: jax.Array, low: Any, high: Any) -> jax.Array:
@@ -682,27 +695,31 @@ def _clip(x: jax.Array, low: Any, high: Any) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 # Parameter projections: the last transform of a chain; ``P(params + u) - params``.
 
-def _projection(name: str, project, init_diag, state_cls: type) -> optax.GradientTransformation:
-    """``project(x) -> (P(x), *diagnostics)`` per float leaf of ``x = params + u``;
-    ``init_diag(params)`` gives the initial diagnostic trees."""
-    n_diag = len(state_cls._fields) - 1
+def _projection(name: str, project, init_diag, state_cls: type, limits
+                ) -> optax.GradientTransformation:
+    """``project(x, limits(count)) -> (P(x), *diagnostics)`` per float leaf of
+    ``x = params + u``, ``limits`` resolving the float-or-schedule radius or bounds at the
+    count of finite steps; ``init_diag(params)`` gives the initial diagnostic trees."""
+    n_diag = len(state_cls._fields) - 2
 
     def init_fn(params):
-        return state_cls(*init_diag(params), jnp.zeros([], jnp.int32))
+        return state_cls(*init_diag(params), jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
         _require_params(params, name)
+        at = limits(state.count)
         targets = jax.tree.map(lambda u, p: (p + u).astype(p.dtype) if norms.is_float(u) else p,
                                updates, params)
         projected, *diag = norms.tree_unzip(
-            lambda x: project(x) if norms.is_float(x) else (x,) + (None,) * n_diag,
+            lambda x: project(x, at) if norms.is_float(x) else (x,) + (None,) * n_diag,
             targets, 1 + n_diag)
         new_updates = jax.tree.map(
             lambda u, px, p: (px - p).astype(u.dtype) if norms.is_float(u) else u,
             updates, projected, params)
         finite = stats_lib.all_finite(targets)
         kept = stats_lib.keep_if(finite, tuple(diag), tuple(state[:n_diag]))
-        return new_updates, state_cls(*kept, stats_lib.count_nonfinite(state.nonfinite, finite))
+        return new_updates, state_cls(*kept, stats_lib.count_nonfinite(state.nonfinite, finite),
+                                      stats_lib.step_count(state.count, finite))
 
     return checks.transformation(init_fn, update_fn)
 
@@ -720,7 +737,8 @@ def project_l2_ball(epsilon: float, param_ndim: int | None = -1, *, exact: bool 
     ``P(x)`` by one ulp per element.
 
     Args:
-      epsilon: the radius, ``>= 0`` (required).
+      epsilon: the radius, ``>= 0`` (required);
+        also an optax schedule ``count -> value`` (``count``: finite steps taken).
       param_ndim: which axes of each parameter form a slice, as in :func:`l1_normalize`.
       exact: use ``ε / ν`` instead of ``ε / (ν + 1e-7)`` (keyword only; an optclip addition).
 
@@ -743,14 +761,14 @@ def project_l2_ball(epsilon: float, param_ndim: int | None = -1, *, exact: bool 
       [[0.6, 0.8], [0.6, 0.8]]
     """
     axes_lib.check_param_ndim(param_ndim)
-    checks.non_negative("epsilon", epsilon)
+    checks.non_negative("epsilon", epsilon, allow_schedule=True)
     checks.boolean("exact", exact)
     renorm_eps = 0.0 if exact else RENORM_EPS
 
-    def project(x):
+    def project(x, at):
         axes = _slice_axes(x, param_ndim)
         norm = norms.slice_norm(x, 2.0, axes)
-        radius = jnp.asarray(epsilon).astype(norm.dtype)
+        radius = jnp.asarray(at).astype(norm.dtype)
         outside = norm > radius
         factor = jnp.where(outside, radius / (norm + jnp.asarray(renorm_eps, norm.dtype)), 1)
         return (norms.scale(x, factor), jnp.squeeze(norm, axis=axes),
@@ -758,22 +776,26 @@ def project_l2_ball(epsilon: float, param_ndim: int | None = -1, *, exact: bool 
 
     def init_diag(params):
         shapes = jax.eval_shape(lambda p: norms.tree_unzip(
-            lambda x: project(x)[1:] if norms.is_float(x) else (None, None), p, 2), params)
+            lambda x: project(x, epsilon_at(jnp.zeros([], jnp.int32)))[1:] if norms.is_float(x)
+            else (None, None), p, 2), params)
         return tuple(stats_lib.zeros_like_shapes(s) for s in shapes)
 
-    return _projection("project_l2_ball", project, init_diag, ProjectL2BallState)
+    def epsilon_at(count):
+        return checks.resolve(epsilon, count)
+
+    return _projection("project_l2_ball", project, init_diag, ProjectL2BallState, epsilon_at)
 
 
-def _box_projection(name: str, state_cls: type, low: Any, high: Any
-                    ) -> optax.GradientTransformation:
-    def project(x):
-        clipped = _clip(x, low, high)
+def _box_projection(name: str, state_cls: type, bounds) -> optax.GradientTransformation:
+    """``bounds(count) -> (low, high)``."""
+    def project(x, at):
+        clipped = _clip(x, *at)
         return clipped, jnp.any(clipped != x)
 
     def init_diag(params):
         return (_per_leaf(lambda x: jnp.zeros((), bool), params),)
 
-    return _projection(name, project, init_diag, state_cls)
+    return _projection(name, project, init_diag, state_cls, bounds)
 
 
 def project_linf_ball(epsilon: float) -> optax.GradientTransformation:
@@ -784,7 +806,8 @@ def project_linf_ball(epsilon: float) -> optax.GradientTransformation:
     ``P(params + u)`` up to one ulp (re-project if the bound must hold exactly).
 
     Args:
-      epsilon: the radius, ``>= 0`` (required).
+      epsilon: the radius, ``>= 0`` (required);
+        also an optax schedule ``count -> value`` (``count``: finite steps taken).
 
     Returns:
       An ``optax.GradientTransformation`` whose state logs, per leaf, whether any element was
@@ -803,9 +826,13 @@ def project_linf_ball(epsilon: float) -> optax.GradientTransformation:
       >>> optax.apply_updates(x, u).tolist()
       [-1.7999999523162842, 1.5]
     """
-    checks.non_negative("epsilon", epsilon)
-    low = -epsilon if _is_number(epsilon) else -jnp.asarray(epsilon)
-    return _box_projection("project_linf_ball", ProjectLinfBallState, low, epsilon)
+    checks.non_negative("epsilon", epsilon, allow_schedule=True)
+
+    def bounds(count):
+        radius = checks.resolve(epsilon, count)
+        return -radius, radius
+
+    return _box_projection("project_linf_ball", ProjectLinfBallState, bounds)
 
 
 def clamp_params(clamp_min: float | None = None, clamp_max: float | None = None
@@ -817,8 +844,10 @@ def clamp_params(clamp_min: float | None = None, clamp_max: float | None = None
     ``optax.apply_updates`` gives ``P(params + u)`` up to one ulp.
 
     Args:
-      clamp_min: lower bound or ``None``.
-      clamp_max: upper bound or ``None`` (at least one must be set; ``clamp_min <= clamp_max``).
+      clamp_min: lower bound, ``None`` or an optax schedule ``count -> value`` (``count``:
+        finite steps taken).
+      clamp_max: upper bound, ``None`` or a schedule (at least one must be set;
+        ``clamp_min <= clamp_max``).
 
     Returns:
       An ``optax.GradientTransformation`` whose state logs, per leaf, whether any element was
@@ -836,7 +865,8 @@ def clamp_params(clamp_min: float | None = None, clamp_max: float | None = None
       [0.5, 3.0]
     """
     _check_bounds(clamp_min, clamp_max)
-    return _box_projection("clamp_params", ClampParamsState, clamp_min, clamp_max)
+    return _box_projection("clamp_params", ClampParamsState,
+                           lambda count: _bounds_at(count, clamp_min, clamp_max))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -892,7 +922,10 @@ def _frank_wolfe(name: str, lmo, scaling: Any, learning_rate: Any, schedule: boo
 
     def update_fn(updates, state, params=None):
         _require_params(params, name)
-        alpha, a, b = _fw_coefficients(state.count, learning_rate, scaling, schedule, fw_eps,
+        # A schedule for the radius is resolved at the count of finite steps; a number keeps
+        # the double-precision products of _fw_coefficients.
+        scale_now = checks.resolve(scaling, state.count) if callable(scaling) else scaling
+        alpha, a, b = _fw_coefficients(state.count, learning_rate, scale_now, schedule, fw_eps,
                                        norms.stat_dtype())
         leaves, treedef = jax.tree.flatten(updates)
         param_leaves = treedef.flatten_up_to(params)
@@ -965,7 +998,7 @@ def frank_wolfe(lmo_scaling_factor: float = 1.0, learning_rate: float = 2.0,
 def _fw_family(name: str, lmo, epsilon, learning_rate, use_default_lr_schedule, param_ndim,
                eps, *, eps_to_fw: bool, fraction: _DropFraction | None = None
                ) -> optax.GradientTransformation:
-    checks.non_negative("epsilon", epsilon)
+    checks.non_negative("epsilon", epsilon, allow_schedule=True)
     _check_fw(learning_rate, use_default_lr_schedule, eps)
     axes_lib.check_param_ndim(param_ndim)
     return _frank_wolfe(name, lmo, epsilon, learning_rate, use_default_lr_schedule,
@@ -982,7 +1015,8 @@ def l1_frank_wolfe(epsilon: float, learning_rate: float = 2.0,
     ``p <- (1 - α) p - α ε ĝ``.
 
     Args:
-      epsilon: the radius ``ε`` of the ball, ``>= 0`` (required).
+      epsilon: the radius ``ε`` of the ball, ``>= 0`` (required);
+        also an optax schedule ``count -> value`` (``count``: finite steps taken).
       learning_rate: ``lr`` of the step size, ``>= 0`` (``<= 1`` when the schedule is off).
       use_default_lr_schedule: ``α_t = lr / (lr + t)`` (default) or a constant ``α = lr``.
       param_ndim: which axes form a slice, as in :func:`l1_normalize` (default ``-1``: on a 1-D
@@ -1019,7 +1053,8 @@ def l2_frank_wolfe(epsilon: float, learning_rate: float = 2.0,
     :func:`frank_wolfe` with ``c = ε``: ``p <- (1 - α) p - α ε ĝ``.
 
     Args:
-      epsilon: the radius ``ε`` of the ball, ``>= 0`` (required).
+      epsilon: the radius ``ε`` of the ball, ``>= 0`` (required);
+        also an optax schedule ``count -> value`` (``count``: finite steps taken).
       learning_rate: ``lr`` of the step size, ``>= 0`` (``<= 1`` when the schedule is off).
       use_default_lr_schedule: ``α_t = lr / (lr + t)`` (default) or a constant ``α = lr``.
       param_ndim: which axes form a slice, as in :func:`l1_normalize` (default ``-1``).
@@ -1056,7 +1091,8 @@ def linf_frank_wolfe(epsilon: float, learning_rate: float = 2.0,
     ``p <- (1 - α) p - α ε sign(g)``.
 
     Args:
-      epsilon: the radius ``ε`` of the ball, ``>= 0`` (required).
+      epsilon: the radius ``ε`` of the ball, ``>= 0`` (required);
+        also an optax schedule ``count -> value`` (``count``: finite steps taken).
       learning_rate: ``lr`` of the step size, ``>= 0`` (``<= 1`` when the schedule is off).
       use_default_lr_schedule: ``α_t = lr / (lr + t)`` (default) or a constant ``α = lr``.
       param_ndim: only validated (the LMO is elementwise); kept for parity with the reference,
@@ -1093,7 +1129,8 @@ def l1q_frank_wolfe(q: float, epsilon: float, dq: float = 0.0, learning_rate: fl
 
     Args:
       q: the fraction of every slice that is dropped, in ``[0, 1]`` (required).
-      epsilon: the radius ``ε``, ``>= 0`` (required).
+      epsilon: the radius ``ε``, ``>= 0`` (required);
+        also an optax schedule ``count -> value`` (``count``: finite steps taken).
       dq: half-width of the random interval around ``q`` (see :func:`top_q`).
       learning_rate: ``lr`` of the step size, ``>= 0`` (``<= 1`` when the schedule is off).
       use_default_lr_schedule: ``α_t = lr / (lr + t)`` (default) or a constant ``α = lr``.
