@@ -388,7 +388,7 @@ def zscore_criterion(
         return jnp.where((state.mean != 0) & ~(z <= z_thresh), clipped, norm)
 
     def update(state, value):
-        var = alpha * state.var + (1 - alpha) * (value - state.mean) ** 2
+        var = _saturate(alpha * state.var + (1 - alpha) * (value - state.mean) ** 2)
         mean = alpha * state.mean + (1 - alpha) * value
         return ZScoreCriterionState(mean.astype(state.mean.dtype), var.astype(state.var.dtype))
 
@@ -437,7 +437,7 @@ def _warmup_statistics(buffer: jax.Array, steps: int) -> tuple[jax.Array, jax.Ar
     mean = jnp.sum(buffer, axis=-1) / steps
     if steps == 1:
         return mean, jnp.ones_like(mean)
-    return mean, jnp.sum((buffer - mean[..., None]) ** 2, axis=-1) / (steps - 1)
+    return mean, _saturate(jnp.sum((buffer - mean[..., None]) ** 2, axis=-1) / (steps - 1))
 
 
 def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_leaf):

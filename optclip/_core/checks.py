@@ -66,11 +66,11 @@ def in_range(
     if not _check_number(name, value, allow_schedule):
         return
     v = float(np.asarray(value))
-    if np.isnan(v):
+    if np.isnan(v) and low is None and high is None:
         raise ValueError(f"{name} must be a number, got nan")
     lo_ok = low is None or (v >= low if low_inclusive else v > low)
     hi_ok = high is None or (v <= high if high_inclusive else v < high)
-    if lo_ok and hi_ok:
+    if lo_ok and hi_ok and not np.isnan(v):
         return
     parts = []
     if low is not None:
@@ -162,18 +162,40 @@ def transformation(init_fn: Callable[[Any], Any], update_fn: Callable[..., Any]
     (:func:`arrays`), and refuse an ``update`` on a tree that does not match the one ``init``
     was given (:func:`matches_init`, a trace-time check naming the leaf).
     """
+    # Tree signature -> the state signature init gave it: update then compares without
+    # tracing init again (eval_shape is the fallback for a tree init has not seen).
+    built: dict = {}
+
     def init(params):
-        return init_fn(arrays(params))
+        params = arrays(params)
+        state = init_fn(params)
+        try:
+            built[_signature(params)] = _state_signature(state)
+        except TypeError:   # an unhashable leaf: fall back to tracing init in update
+            pass
+        return state
 
     def update(updates, state, params=None):
         updates = arrays(updates)
-        matches_init(init_fn, updates, state)
+        matches_init(init_fn, updates, state, built)
         return update_fn(updates, state, None if params is None else arrays(params))
 
     return optax.GradientTransformation(init, update)
 
 
-def matches_init(init_fn: Callable[[Any], Any], updates: Any, state: Any) -> None:
+def _signature(tree: Any) -> tuple:
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((np.shape(x), jnp.result_type(x)) for x in leaves)
+
+
+def _state_signature(state: Any) -> dict[str, tuple[int, ...]]:
+    """State leaf path -> shape."""
+    return {jax.tree_util.keystr(path): tuple(np.shape(leaf))
+            for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}
+
+
+def matches_init(init_fn: Callable[[Any], Any], updates: Any, state: Any,
+                 built: dict | None = None) -> None:
     """Trace-time check that ``state`` is what ``init`` builds for a tree like ``updates``.
 
     Convention 10: ``update`` on a tree whose structure or leaf shapes differ from the one
@@ -182,11 +204,15 @@ def matches_init(init_fn: Callable[[Any], Any], updates: Any, state: Any) -> Non
     ``jax.vmap`` (both sides see per-example shapes) and with ``optax.masked``'s
     ``MaskedNode`` leaves (they have no arrays on either side).
     """
-    expected = jax.tree_util.tree_flatten_with_path(jax.eval_shape(init_fn, updates))[0]
-    actual = jax.tree_util.tree_flatten_with_path(state)[0]
-    keystr = jax.tree_util.keystr
-    want = {keystr(path): leaf for path, leaf in expected}
-    have = {keystr(path): leaf for path, leaf in actual}
+    want = None
+    if built is not None:
+        try:
+            want = built.get(_signature(updates))
+        except TypeError:
+            want = None
+    if want is None:
+        want = _state_signature(jax.eval_shape(init_fn, updates))
+    have = _state_signature(state)
     if want.keys() != have.keys():
         new = sorted(want.keys() - have.keys())
         missing = sorted(have.keys() - want.keys())
@@ -194,10 +220,9 @@ def matches_init(init_fn: Callable[[Any], Any], updates: Any, state: Any) -> Non
             "update got a tree that does not match the one init was given (state leaves "
             f"the updates would need but the state lacks: {new or 'none'}; state leaves with "
             f"no matching update: {missing or 'none'}); call init on the new tree")
-    for key, leaf in want.items():
-        got = have[key]
-        if np.shape(got) != leaf.shape:
+    for key, shape in want.items():
+        if have[key] != shape:
             raise ValueError(
                 f"update got a leaf whose shape differs from the one init was given: state "
-                f"{key} has shape {tuple(np.shape(got))}, the updates need {tuple(leaf.shape)}")
+                f"{key} has shape {have[key]}, the updates need {shape}")
 

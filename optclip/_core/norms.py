@@ -82,14 +82,23 @@ def _wide(x: jax.Array) -> jax.Array:
     return x.astype(acc_dtype(x.dtype))
 
 
+@jax.custom_jvp
 def safe_sqrt(x: jax.Array) -> jax.Array:
-    """``sqrt(x)`` whose derivative at ``x = 0`` is 0 instead of NaN (NaN and inf propagate).
+    """``sqrt(x)`` whose derivative at ``x = 0`` is 0 instead of NaN.
 
     A norm of an all-zero slice (a frozen parameter) is then differentiable: ``jax.grad``
-    through a clipper at a zero gradient is finite, as meta-learning needs.
+    through a clipper at a zero gradient is finite, as meta-learning needs. The forward pass is
+    a plain ``sqrt`` (a custom derivative, no extra operations for XLA to compile).
     """
-    zero = x == 0
-    return jnp.where(zero, jnp.zeros_like(x), jnp.sqrt(jnp.where(zero, jnp.ones_like(x), x)))
+    return jnp.sqrt(x)
+
+
+@safe_sqrt.defjvp
+def _safe_sqrt_jvp(primals, tangents):
+    (x,), (dx,) = primals, tangents
+    y = jnp.sqrt(x)
+    positive = y > 0
+    return y, jnp.where(positive, dx / (2 * jnp.where(positive, y, 1)), 0)
 
 
 def safe_root(x: jax.Array, ord: float) -> jax.Array:
@@ -98,21 +107,43 @@ def safe_root(x: jax.Array, ord: float) -> jax.Array:
     return jnp.where(zero, jnp.zeros_like(x), jnp.where(zero, jnp.ones_like(x), x) ** (1.0 / ord))
 
 
-def _homogeneous(ord: float | str) -> bool:
-    """Orders whose plain formula can overflow on finite input and that scale as ``|c| N(x)``."""
-    return ord in (2.0, "std") or (isinstance(ord, float) and ord > 0 and ord not in
-                                   (1.0, math.inf))
+def _power_norm(ord: float | str) -> bool:
+    """``ord`` p-norms (other than 1, 2 and inf) whose ``Σ|x|^p`` can overflow on finite input."""
+    return isinstance(ord, float) and ord > 0 and ord not in (1.0, 2.0, math.inf)
+
+
+# Sums of squares are also accumulated scaled by 2**-k, in the same pass: no finite input of up
+# to 2**40 elements can overflow the scaled sum (float32: (2**128 * 2**-86)**2 * 2**40 = 2**124),
+# and where the plain sum overflowed, the scaled one holds the norm. Powers of two keep the
+# scaling exact; elements so small that their scaled squares underflow are below the
+# precision of a norm that overflowed the plain sum.
+_SHIFT = {jnp.dtype(jnp.float32): 86, jnp.dtype(jnp.float64): 540}
+
+
+def _root_of_squares(plain: jax.Array, scaled: jax.Array, shift: int) -> jax.Array:
+    """``sqrt(plain)``, or ``sqrt(scaled) * 2**shift`` where ``plain`` overflowed."""
+    up = jnp.asarray(2.0 ** shift, scaled.dtype)
+    return jnp.where(jnp.isinf(plain), safe_sqrt(scaled) * up, safe_sqrt(plain))
+
+
+def _down(x: jax.Array) -> jax.Array:
+    return x * jnp.asarray(2.0 ** -_SHIFT[x.dtype], x.dtype)
+
+
+def root_sum_squares(x: jax.Array, **reduce) -> jax.Array:
+    """``sqrt(Σ x²)`` (``jnp.sum`` keywords), finite and right up to ``x``'s dtype range."""
+    return _root_of_squares(jnp.sum(jnp.square(x), **reduce),
+                            jnp.sum(jnp.square(_down(x)), **reduce), _SHIFT[x.dtype])
 
 
 def overflow_safe(plain: Callable[[], jax.Array], rescaled: Callable[[], jax.Array]
                   ) -> jax.Array:
     """``plain()``, recomputed as ``rescaled()`` where it overflowed to ``inf``.
 
-    The plain formula reads the data once; only when some result is infinite (a sum of squares
-    beyond the dtype's range, e.g. float32 elements of 1e20) is the metric recomputed from the
-    data scaled by its largest magnitude. The test is one scalar (``lax.cond``), so the common
-    case costs no second pass over memory (under ``jax.vmap`` the cond becomes a select and
-    both run). Non-finite input stays non-finite.
+    For p-norms other than 1, 2, inf (rare): only when some result is infinite is the metric
+    recomputed from the data scaled by its largest magnitude. The test is one scalar
+    (``lax.cond``), so the common case costs no second pass over memory. Non-finite input
+    stays non-finite.
     """
     raw = plain()
     return jax.lax.cond(jnp.any(jnp.isinf(raw)),
@@ -131,7 +162,7 @@ def slice_norm(x: jax.Array, ord: float | str, axes: tuple[int, ...]) -> jax.Arr
     derivative at an all-zero slice is finite.
     """
     x = _wide(x)
-    if not _homogeneous(ord):
+    if not _power_norm(ord):
         return _plain_slice_norm(x, ord, axes)
 
     def rescaled():
@@ -148,13 +179,15 @@ def _plain_slice_norm(x: jax.Array, ord: float | str, axes: tuple[int, ...]) -> 
         return jnp.sum(jnp.abs(x), **reduce) / k
     if ord in ("std", "var"):
         mean = jnp.sum(x, **reduce) / k
-        var = jnp.sum(jnp.square(x - mean), **reduce) / (k - 1) if k > 1 else jnp.full(
-            mean.shape, jnp.nan, x.dtype)
-        return safe_sqrt(var) if ord == "std" else var
+        if k < 2:
+            return jnp.full(mean.shape, jnp.nan, x.dtype)
+        if ord == "std":
+            return root_sum_squares(x - mean, **reduce) / math.sqrt(k - 1)
+        return jnp.sum(jnp.square(x - mean), **reduce) / (k - 1)
     if ord == "sum":
         return jnp.abs(jnp.sum(x, **reduce))
     if ord == 2.0:
-        return safe_sqrt(jnp.sum(jnp.square(x), **reduce))
+        return root_sum_squares(x, **reduce)
     if ord == 1.0:
         return jnp.sum(jnp.abs(x), **reduce)
     if ord == 0.0:
@@ -278,7 +311,7 @@ def global_norm(tree: Any, ord: float | str = 2.0) -> jax.Array:
     magnitude of the tree.
     """
     leaves = _float_leaves(tree)
-    if not _homogeneous(ord):
+    if not _power_norm(ord):
         return _plain_global_norm(leaves, ord)
 
     def rescaled():
@@ -287,6 +320,28 @@ def global_norm(tree: Any, ord: float | str = 2.0) -> jax.Array:
         return peak * _plain_global_norm(leaves, ord, peak)
 
     return overflow_safe(lambda: _plain_global_norm(leaves, ord), rescaled)
+
+
+def _global_root_sum_squares(leaves: list[jax.Array], prepare: Callable) -> jax.Array:
+    """``sqrt(Σ prepare(x)²)`` over all leaves, scale-safe like :func:`root_sum_squares`.
+
+    Each leaf's scaled partial sum is taken at its own dtype's shift and brought to the widest
+    one (an exact power of two) before the partials are combined.
+    """
+    if not leaves:
+        return jnp.zeros((), jnp.float32)
+    shift = max(_SHIFT[acc_dtype(x.dtype)] for x in leaves)
+    plain = tree_sum(leaf_reductions(leaves, lambda x: jnp.square(prepare(_wide(x)))))
+
+    def scaled_square(x):
+        y = _down(prepare(_wide(x)))
+        return jnp.square(y)
+
+    partials = leaf_reductions(leaves, scaled_square)
+    # A narrower partial is widened first (the factor would underflow in its own dtype).
+    common = [p.astype(jnp.float64) * 2.0 ** (2 * (_SHIFT[p.dtype] - shift))
+              if _SHIFT[p.dtype] != shift else p for p in partials]
+    return _root_of_squares(plain, tree_sum(common), shift)
 
 
 def _plain_global_norm(leaves: list[jax.Array], ord: float | str, peak=None) -> jax.Array:
@@ -307,13 +362,15 @@ def _plain_global_norm(leaves: list[jax.Array], ord: float | str, peak=None) -> 
         if ord == "sum":
             return jnp.abs(signed)
         mean = signed / max(count, 1)
-        squares = tree_sum(total(lambda x: jnp.square(x - mean)))
-        var = squares / (count - 1) if count > 1 else jnp.full((), jnp.nan, squares.dtype)
-        return safe_sqrt(var) if ord == "std" else var
+        if count < 2:
+            return jnp.full((), jnp.nan, signed.dtype)
+        if ord == "std":
+            return _global_root_sum_squares(leaves, lambda x: x - mean) / math.sqrt(count - 1)
+        return tree_sum(total(lambda x: jnp.square(x - mean))) / (count - 1)
     if ord == "mad":
         return tree_sum(total(jnp.abs)) / max(count, 1)
     if ord == 2.0:
-        return safe_sqrt(tree_sum(total(jnp.square)))
+        return _global_root_sum_squares(leaves, lambda x: x)
     if ord == 1.0:
         return tree_sum(total(jnp.abs))
     if ord == 0.0:
