@@ -203,7 +203,9 @@ def test_grouped_reductions_match_one_reduce_per_leaf(ord, monkeypatch):
     grouped = jax.jit(lambda t: norms.global_norm(t, ord))(tree)
     np.testing.assert_allclose(grouped, per_leaf, rtol=1e-6)
     text = jax.jit(lambda t: norms.global_norm(t, ord)).lower(tree).as_text()
-    assert text.count("stablehlo.reduce") < 15          # 45 leaves (twice for std): a handful
+    # 45 leaves: a handful of reductions (l2: squares and the overflow-safe scaled squares;
+    # std: the sum too), not one per leaf.
+    assert text.count("stablehlo.reduce") < 20
 
 
 def test_no_grouping_when_several_devices_are_visible():
