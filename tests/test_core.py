@@ -203,9 +203,9 @@ def test_grouped_reductions_match_one_reduce_per_leaf(ord, monkeypatch):
     grouped = jax.jit(lambda t: norms.global_norm(t, ord))(tree)
     np.testing.assert_allclose(grouped, per_leaf, rtol=1e-6)
     text = jax.jit(lambda t: norms.global_norm(t, ord)).lower(tree).as_text()
-    # 45 leaves: a handful of reductions (l2: squares and the overflow-safe scaled squares;
-    # std: the sum too), not one per leaf.
-    assert text.count("stablehlo.reduce") < 20
+    # 45 leaves: a handful of grouped reductions per round, not one per leaf (std: the sum and
+    # the squares, and in the overflow branch of the cond the max, sum and squares again).
+    assert text.count("stablehlo.reduce") < 30
 
 
 def test_no_grouping_when_several_devices_are_visible():
