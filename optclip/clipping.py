@@ -312,8 +312,7 @@ def clip_by_global_norm(max_norm: ScalarOrSchedule = 1.0, ord: Ord = 2
     ord = norms.canonical_ord(ord)
 
     def init_fn(params):
-        del params
-        zero = jnp.zeros([], norms.stat_dtype())
+        zero = jnp.zeros([], norms.stat_dtype(params))
         return GlobalClipState(jnp.zeros([], jnp.int32), zero, jnp.ones_like(zero),
                                jnp.zeros([], bool), jnp.zeros([], jnp.int32))
 

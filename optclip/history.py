@@ -467,7 +467,7 @@ def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_
         return _per_leaf_tree(updates, values) if per_leaf else values
 
     def init_fn(params):
-        dtype = norms.stat_dtype()
+        dtype = norms.stat_dtype(params)
         batch = (len(_float_leaves(params)),) if per_leaf else ()
         crit_state = jax.tree.map(lambda x: jnp.broadcast_to(x, batch + x.shape),
                                   criterion.init(dtype))
@@ -801,8 +801,7 @@ def zclip(
     steps = max(warmup_steps, 1)
 
     def init_fn(params):
-        del params
-        dtype = norms.stat_dtype()
+        dtype = norms.stat_dtype(params)
         zero = jnp.zeros([], dtype)
         return stats_lib.own_buffers(ZClipState(
             jnp.zeros([], jnp.int32), jnp.zeros((steps,), dtype), zero, zero, zero, zero,
@@ -956,7 +955,7 @@ def _autoclip(threshold_fn, history_length, global_threshold, state_cls):
         return _per_leaf_tree(updates, values) if per_leaf else values
 
     def init_fn(params):
-        dtype = norms.stat_dtype()
+        dtype = norms.stat_dtype(params)
         batch = () if global_threshold else (len(_float_leaves(params)),)
         zeros = jnp.zeros(batch, dtype)
         return stats_lib.own_buffers(state_cls(

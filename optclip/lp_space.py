@@ -326,10 +326,10 @@ def _l1_lmo(g: jax.Array, axes: tuple[int, ...]) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 # The random drop fraction (dq > 0): one draw per float leaf per step, from a key in the state.
 
-def _logged_q(q: Any) -> jax.Array:
-    """``q`` as drawn (float32, as torch) and stored in the statistics dtype (float64 under
-    x64, like every statistic)."""
-    return jnp.asarray(q, jnp.float32).astype(norms.stat_dtype())
+def _logged_q(q: Any, leaf: jax.Array) -> jax.Array:
+    """``q`` as drawn (float32, as torch), stored in the leaf's statistics dtype (float64 for a
+    float64 leaf, like every statistic)."""
+    return jnp.asarray(q, jnp.float32).astype(norms.acc_dtype(leaf.dtype))
 
 
 class _DropFraction:
@@ -342,7 +342,7 @@ class _DropFraction:
     def init(self, params: Any) -> tuple[jax.Array, Any, Any]:
         """The key, and ``q``/``k`` trees holding ``q`` and 0 until the first step."""
         key = jax.random.PRNGKey(self.seed)
-        q = _per_leaf(lambda x: _logged_q(self.q), params)
+        q = _per_leaf(lambda x: _logged_q(self.q, x), params)
         k = _per_leaf(lambda x: jnp.zeros((), jnp.int32), params)
         return key, q, k
 
@@ -355,7 +355,7 @@ class _DropFraction:
         k_of: list[Any] = [None] * len(leaves)
         if self.static:
             for i in floats:
-                q_of[i] = _logged_q(self.q)
+                q_of[i] = _logged_q(self.q, leaves[i])
                 k_of[i] = _static_k(self.q, sizes[i])
             return key, q_of, k_of
         key, subkey = jax.random.split(key)
@@ -368,7 +368,7 @@ class _DropFraction:
         # float available (the reference uses double; float32 can differ only at exact .5).
         q_t = (q_hi - q_lo) * u + q_lo
         for j, i in enumerate(floats):
-            q_of[i] = _logged_q(q_t[j])
+            q_of[i] = _logged_q(q_t[j], leaves[i])
             k_of[i] = _traced_k(q_t[j], sizes[i])
         return key, q_of, k_of
 
@@ -915,7 +915,7 @@ def _frank_wolfe(name: str, lmo, scaling: Any, learning_rate: Any, schedule: boo
     axes_of = lambda g: _slice_axes(g, param_ndim)
 
     def init_fn(params):
-        head = (jnp.zeros([], jnp.int32), jnp.zeros([], norms.stat_dtype()))
+        head = (jnp.zeros([], jnp.int32), jnp.zeros([], norms.stat_dtype(params)))
         if fraction is None:
             return FrankWolfeState(*head, jnp.zeros([], jnp.int32))
         return L1qFrankWolfeState(*head, *fraction.init(params), jnp.zeros([], jnp.int32))
@@ -926,7 +926,7 @@ def _frank_wolfe(name: str, lmo, scaling: Any, learning_rate: Any, schedule: boo
         # the double-precision products of _fw_coefficients.
         scale_now = checks.resolve(scaling, state.count) if callable(scaling) else scaling
         alpha, a, b = _fw_coefficients(state.count, learning_rate, scale_now, schedule, fw_eps,
-                                       norms.stat_dtype())
+                                       state.alpha.dtype)
         leaves, treedef = jax.tree.flatten(updates)
         param_leaves = treedef.flatten_up_to(params)
         finite = stats_lib.all_finite(updates)

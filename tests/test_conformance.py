@@ -470,6 +470,12 @@ def test_float64_leaves_see_float64_thresholds_and_statistics(entry):
             chex.assert_trees_all_equal_dtypes(out, params)
         for leaf in _float_leaves(state):
             assert jnp.asarray(leaf).dtype == jnp.float64
+        # One rule: float32 leaves keep float32 statistics, x64 or not.
+        params = _params(entry, jnp.float32)
+        _, state = _run(jax.jit(tx.update), tx.init(params), _grads(entry, jnp.float32)[:1],
+                        params)
+        for leaf in _float_leaves(state):
+            assert jnp.asarray(leaf).dtype == jnp.float32
 
 
 def test_zclip_constant_warm_up_guard_survives_rounding():

@@ -73,9 +73,19 @@ def acc_dtype(dtype) -> jnp.dtype:
     return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
 
 
-def stat_dtype() -> jnp.dtype:
-    """Dtype of running statistics: float32, or float64 when x64 is enabled."""
-    return jnp.dtype(jnp.float64) if jax.config.jax_enable_x64 else jnp.dtype(jnp.float32)
+def stat_dtype(tree: Any = None) -> jnp.dtype:
+    """Dtype of statistics that span leaves or steps (global norms, histories, EMAs of norms).
+
+    The one rule, as for a single leaf's :func:`acc_dtype`: float32, float64 when the tree has a
+    float64 leaf (which needs x64). Without a tree (hyperparameters resolved on device):
+    float64 whenever x64 is enabled, so a float64 leaf never sees a threshold rounded through
+    float32.
+    """
+    if not jax.config.jax_enable_x64:
+        return jnp.dtype(jnp.float32)
+    if tree is None or any(acc_dtype(x.dtype) == jnp.float64 for x in _float_leaves(tree)):
+        return jnp.dtype(jnp.float64)
+    return jnp.dtype(jnp.float32)
 
 
 def _wide(x: jax.Array) -> jax.Array:
