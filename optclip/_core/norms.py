@@ -7,9 +7,12 @@ Every ``ord`` of spec/torchzero.md §1.1 is supported: any number (``0`` counts 
 sign (torchzero 0.4.4 scales by the signed sum: spec/torchzero.md §4 D7).
 
 Accumulation happens in float32 (float64 for float64 leaves) whatever the leaf dtype, so bf16
-pytrees with many leaves and float16 gradients of magnitude ~300 give the true norm. Global norms
-are combined from per-leaf partial reductions (scalars), never by concatenating leaves, so a
-sharded gradient is reduced where it lives.
+pytrees with many leaves and float16 gradients of magnitude ~300 give the true norm; statistics
+spanning leaves follow the same rule (:func:`stat_dtype`). Norms of finite values are finite and
+right up to the dtype's range (float32 elements of 1e20), and differentiable at zero. Complex
+leaves are rejected (:func:`acc_dtype`). Global norms are combined from per-leaf partial
+reductions (scalars), never by concatenating leaves, so a sharded gradient is reduced where it
+lives.
 """
 
 from __future__ import annotations
