@@ -509,3 +509,21 @@ def test_zclip_with_its_default_cap_is_scale_safe():
     for _ in range(3):
         out, state = jax.jit(tx.update)(g, state)
         np.testing.assert_allclose(optax.tree.norm(out), 1.0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: optclip.clip_by_global_norm(1.0), lambda: optclip.clip_norm(1.0),
+    lambda: optclip.normalize(1.0), lambda: optclip.clip_value(0.8),
+    lambda: optclip.project_l2_ball(1.0, exact=True), lambda: optclip.l2_normalize(),
+], ids=["global", "norm", "normalize", "value", "l2_ball_exact", "l2_normalize"])
+@pytest.mark.parametrize("point", [[0.6, 0.8], [0.0, 0.0]], ids=["boundary", "zero"])
+def test_meta_gradient_is_finite_at_the_clipping_boundary(make, point):
+    """At ``||g|| == max_norm`` (and ``|g| == value``) and at zero, ``jax.grad`` is finite."""
+    tx = make()
+    g = jnp.asarray(point)
+    params = jnp.zeros(2)
+    state = tx.init(params)
+    grads = jax.grad(lambda u, p: jnp.sum(tx.update(u, state, p)[0] * jnp.array([1.0, 2.0])),
+                     argnums=(0, 1))(g, params)
+    for leaf in grads:
+        assert np.all(np.isfinite(np.asarray(leaf)))
