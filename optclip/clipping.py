@@ -71,8 +71,20 @@ class GlobalNormalizeState(NamedTuple):
     nonfinite: jax.Array
 
 
-def _count_nonfinite(nonfinite: jax.Array, measured: Any, axis_name=None) -> jax.Array:
-    return stats_lib.count_nonfinite(nonfinite, stats_lib.all_finite(measured, axis_name))
+def _finite(ord: float | str, updates: Any, measured: Any, axis_name=None) -> jax.Array:
+    """Whether the step was finite: from the measured norms where ``ord`` sees every NaN/Inf,
+    else (``ord`` 0, negative, ``-inf``: an Inf leaves them finite) from the updates too."""
+    finite = stats_lib.all_finite(measured, axis_name)
+    if norms.sees_nonfinite(ord):
+        return finite
+    return finite & stats_lib.all_finite(updates, axis_name)
+
+
+def _advance(state, finite: jax.Array, **fields):
+    """The next state: a non-finite step counts in ``nonfinite`` and does not advance
+    ``count``, so a threshold schedule continues where the last finite step left it."""
+    return state._replace(count=stats_lib.step_count(state.count, finite),
+                          nonfinite=stats_lib.count_nonfinite(state.nonfinite, finite), **fields)
 
 
 def _check_slices(ord: Ord, dim: Dim, inverse_dims: bool, min_size: int,
@@ -272,11 +284,11 @@ def clip_value(value: ScalarOrSchedule, axis_name: AxisName = None
         measured = max_abs(updates)
         new_updates = norms.float_map(lambda g: _clamp(g, bound), updates)
         clipped = jax.tree.map(lambda m: m > bound, measured)
-        return new_updates, ClipValueState(
-            optax.safe_increment(state.count), stats_lib.keep_finite(measured, state.max_abs),
-            clipped, _count_nonfinite(state.nonfinite, measured, axis_name))
+        return new_updates, _advance(
+            state, stats_lib.all_finite(measured, axis_name),
+            max_abs=stats_lib.keep_finite(measured, state.max_abs), clipped=clipped)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn)
 
 
 def clip_by_global_norm(max_norm: ScalarOrSchedule = 1.0, ord: Ord = 2,
@@ -318,8 +330,7 @@ def clip_by_global_norm(max_norm: ScalarOrSchedule = 1.0, ord: Ord = 2,
     norms.check_axis_name(axis_name)
 
     def init_fn(params):
-        del params
-        zero = jnp.zeros([], norms.stat_dtype())
+        zero = jnp.zeros([], norms.stat_dtype(params))
         return GlobalClipState(jnp.zeros([], jnp.int32), zero, jnp.ones_like(zero),
                                jnp.zeros([], bool), jnp.zeros([], jnp.int32))
 
@@ -330,12 +341,12 @@ def clip_by_global_norm(max_norm: ScalarOrSchedule = 1.0, ord: Ord = 2,
         factor = norms.clip_multiplier(norm, bound.astype(norm.dtype))
         new_updates = jax.tree.map(lambda g: norms.scale(g, factor), updates)
         norm = norm.astype(state.norm.dtype)
-        return new_updates, GlobalClipState(
-            optax.safe_increment(state.count), stats_lib.keep_finite(norm, state.norm),
-            stats_lib.keep_finite(factor.astype(state.scale.dtype), state.scale),
-            norm > bound, _count_nonfinite(state.nonfinite, norm))
+        return new_updates, _advance(
+            state, _finite(ord, updates, norm), norm=stats_lib.keep_finite(norm, state.norm),
+            scale=stats_lib.keep_finite(factor.astype(state.scale.dtype), state.scale),
+            clipped=norm > bound)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn)
 
 
 def clip_norm(
@@ -402,11 +413,11 @@ def clip_norm(
         bound = checks.resolve(max_norm, state.count, norms.stat_dtype())
         new_updates, measured = measure(updates, bound)
         clipped = jax.tree.map(lambda n: n > bound.astype(n.dtype), measured)
-        return new_updates, ClipNormState(
-            optax.safe_increment(state.count), stats_lib.keep_finite(measured, state.norm),
-            clipped, _count_nonfinite(state.nonfinite, measured, axis_name))
+        return new_updates, _advance(
+            state, _finite(ord, updates, measured, axis_name),
+            norm=stats_lib.keep_finite(measured, state.norm), clipped=clipped)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn)
 
 
 def normalize(
@@ -462,11 +473,11 @@ def normalize(
         del params
         target = checks.resolve(norm_value, state.count, norms.stat_dtype())
         new_updates, measured = measure(updates, target)
-        return new_updates, state_cls(
-            optax.safe_increment(state.count), stats_lib.keep_finite(measured, state.norm),
-            _count_nonfinite(state.nonfinite, measured, axis_name))
+        return new_updates, _advance(
+            state, _finite(ord, updates, measured, axis_name),
+            norm=stats_lib.keep_finite(measured, state.norm))
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn)
 
 
 def centralize(dim: Dim = None, inverse_dims: bool = False, min_size: int = 2,
@@ -529,7 +540,7 @@ def centralize(dim: Dim = None, inverse_dims: bool = False, min_size: int = 2,
         mean = total / max(sum(g.size * norms.axes_size(a) for g, a in zip(leaves, split)), 1)
         return norms.float_map(lambda g: centre(g, mean), updates), state
 
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+    return checks.transformation(lambda params: optax.EmptyState(), update_fn)
 
 
 def zscore_normalize(eps: float = 1e-8, axis_name: AxisName = None
@@ -569,13 +580,13 @@ def zscore_normalize(eps: float = 1e-8, axis_name: AxisName = None
         size = g.size * norms.axes_size(split)
         mean = norms.across(jnp.sum(wide), "sum", split) / size
         # drytorch divides by an unbiased std of NaN here: use 0.
-        std = (jnp.sqrt(norms.across(jnp.sum(jnp.square(wide - mean)), "sum", split)
-                        / (size - 1)) if size > 1 else jnp.zeros((), wide.dtype))
+        # leaf_norm: finite derivative at a constant leaf, no overflow for huge elements.
+        std = norms.leaf_norm(wide, "std", axis_name) if size > 1 else jnp.zeros((), wide.dtype)
         return ((wide - mean) / (std + eps)).astype(g.dtype)
 
     def update_fn(updates, state, params=None):
         del params
         return jax.tree.map(one_leaf, updates), state
 
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+    return checks.transformation(lambda params: optax.EmptyState(), update_fn)
 

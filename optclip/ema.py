@@ -114,6 +114,15 @@ def _double_tiny(dtype) -> jax.Array:
     return jnp.asarray(2 * jnp.finfo(dtype).tiny, dtype)
 
 
+def _output_divisor(norm: jax.Array, divisor: jax.Array) -> jax.Array:
+    """The divisor a zero update is divided by: 1 (it stays zero either way).
+
+    Dividing by the ``2 tiny`` floor would make the derivative NaN (``0 / tiny**2``), so
+    ``jax.grad`` through the transform at a zero update would be NaN.
+    """
+    return jnp.where(norm == 0, jnp.ones_like(divisor), divisor)
+
+
 def _float_zeros(tree: Any) -> Any:
     """Per float leaf: zeros of its shape in the statistics dtype; ``None`` elsewhere."""
     return stats_lib.zeros_like_params(lambda t: jax.tree.map(
@@ -132,9 +141,9 @@ def _norm_by_ema(normalize, beta, ord, eps, tensorwise, max_ema_growth, ema_init
     state_cls = {(False, True): ClipNormByEMAState, (False, False): ClipNormByEMAGlobalState,
                  (True, True): NormalizeByEMAState,
                  (True, False): NormalizeByEMAGlobalState}[normalize, bool(tensorwise)]
-    checks.positive("max_ema_growth", max_ema_growth, allow_none=True)
+    checks.positive("max_ema_growth", max_ema_growth, allow_none=True, allow_schedule=True)
 
-    def cap_and_divide(a, b, r_prev, first, ema, measurable):
+    def cap_and_divide(a, b, r_prev, first, ema, measurable, growth):
         """Growth cap on the EMA norm ``b`` and the divisor for an update of norm ``a``.
 
         Returns ``(divisor, capped b, capped flag, rescaled EMA leaves)``.
@@ -142,7 +151,7 @@ def _norm_by_ema(normalize, beta, ord, eps, tensorwise, max_ema_growth, ema_init
         capped = jnp.zeros(b.shape, bool)
         if max_ema_growth is not None:
             reference = jnp.where(first, b, r_prev)
-            allowed = jnp.maximum(reference * jnp.asarray(max_ema_growth, b.dtype),
+            allowed = jnp.maximum(reference * growth.astype(b.dtype),
                                   jnp.asarray(eps, b.dtype))
             capped = b > allowed
             shrink = jnp.where(capped, b / allowed, 1)
@@ -176,12 +185,14 @@ def _norm_by_ema(normalize, beta, ord, eps, tensorwise, max_ema_growth, ema_init
         ones = jax.tree.map(jnp.ones_like, scalar)
         flags = jax.tree.map(lambda s: jnp.zeros((), bool), scalar)
         zero = jnp.zeros([], jnp.int32)
-        return state_cls(zero, ema, scalar, scalar, ones, flags, flags, zero)
+        return stats_lib.own_buffers(
+            state_cls(zero, ema, scalar, scalar, ones, flags, flags, zero))
 
     def update_fn(updates, state, params=None):
         del params
         leaves, (old_ema,), treedef = norms.flatten_with(updates, state.ema)
         first = state.count == 0
+        growth = None if max_ema_growth is None else checks.resolve(max_ema_growth, state.count)
         is_float = [norms.is_float(x) for x in leaves]
         ema = []
         for x, e, f in zip(leaves, old_ema, is_float):
@@ -200,9 +211,11 @@ def _norm_by_ema(normalize, beta, ord, eps, tensorwise, max_ema_growth, ema_init
                     continue
                 size = x.size * norms.axes_size(norms.split_axes([x], axis_name)[0])
                 a, b, measurable = _norms_or_zeros(size, (x, e))
-                divisor, b, capped, (e,) = cap_and_divide(a, b, r, first, [e], measurable)
+                divisor, b, capped, (e,) = cap_and_divide(a, b, r, first, [e], measurable,
+                                                          growth)
                 ema[i] = e
-                per_leaf[i] = (norms.divide(x, divisor), a.astype(b.dtype), b, divisor, capped)
+                per_leaf[i] = (norms.divide(x, _output_divisor(a, divisor)), a.astype(b.dtype), b,
+                               divisor, capped)
             new_updates = treedef.unflatten(
                 [p[0] if p else x for p, x in zip(per_leaf, leaves)])
             norm, ema_norm, divisor, capped = (
@@ -213,12 +226,13 @@ def _norm_by_ema(normalize, beta, ord, eps, tensorwise, max_ema_growth, ema_init
                        for e, a in zip(floats, norms.split_axes(floats, axis_name)))
             a, b, measurable = _norms_or_zeros(size, (leaves, ema))
             divisor, ema_norm, capped, floats = cap_and_divide(
-                a, b, state.ema_norm, first, floats, measurable)
+                a, b, state.ema_norm, first, floats, measurable, growth)
             rescaled = iter(floats)
             ema = [next(rescaled) if f else None for f in is_float]
             norm = a.astype(ema_norm.dtype)
             new_updates = treedef.unflatten(
-                [norms.divide(x, divisor) if f else x for x, f in zip(leaves, is_float)])
+                [norms.divide(x, _output_divisor(a, divisor)) if f else x
+                 for x, f in zip(leaves, is_float)])
 
         clipped = jax.tree.map(lambda d: d > 1, divisor)
         ok = stats_lib.all_finite((updates, norm, ema_norm), axis_name)
@@ -226,7 +240,7 @@ def _norm_by_ema(normalize, beta, ord, eps, tensorwise, max_ema_growth, ema_init
                         norm, divisor, clipped, capped, state.nonfinite)
         return new_updates, commit_step(ok, new, state)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn)
 
 
 def clip_norm_by_ema(
@@ -261,8 +275,9 @@ def clip_norm_by_ema(
         ``min_norm``); unused when ``max_ema_growth`` is ``None``.
       tensorwise: ``True``: each leaf against its own EMA; ``False``: all leaves as one vector
         (global norms from per-leaf partial reductions).
-      max_ema_growth: ``> 0`` or ``None``: the EMA norm may grow at most by this factor per
-        step; larger EMAs are rescaled in the state.
+      max_ema_growth: ``> 0``, ``None`` or an optax schedule ``count -> value`` (``count``:
+        finite steps taken): the EMA norm may grow at most by this factor per step; larger
+        EMAs are rescaled in the state.
       ema_init: ``'zeros'`` (the first output is ``(1 - beta) x``) or ``'update'`` (the EMA
         starts at the first update, which passes unchanged).
       axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) the leaves are split
@@ -403,8 +418,9 @@ def clip_value_by_ema(
         ema = _float_zeros(params)
         per_leaf = jax.tree.map(lambda e: jnp.zeros((), e.dtype), ema)
         zero = jnp.zeros([], jnp.int32)
-        return ClipValueByEMAState(zero, ema, transform.init(ema), per_leaf,
-                                   jax.tree.map(lambda s: jnp.zeros((), bool), per_leaf), zero)
+        return stats_lib.own_buffers(ClipValueByEMAState(
+            zero, ema, transform.init(ema), per_leaf,
+            jax.tree.map(lambda s: jnp.zeros((), bool), per_leaf), zero))
 
     def update_fn(updates, state, params=None):
         leaves, (old_ema,), treedef = norms.flatten_with(updates, state.ema)
@@ -440,4 +456,4 @@ def clip_value_by_ema(
                                   state.nonfinite)
         return treedef.unflatten(outputs), commit_step(ok, new, state)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn)

@@ -61,10 +61,23 @@ class ClipNormGrowthGlobalState(ClipNormGrowthState):
 
 
 def _check_growth_args(add, mul, min_value, max_decay) -> None:
-    checks.non_negative("add", add, allow_none=True)
-    checks.positive("mul", mul, allow_none=True)
-    checks.positive("min_value", min_value, allow_none=True)
-    checks.positive("max_decay", max_decay, allow_none=True)
+    checks.non_negative("add", add, allow_none=True, allow_schedule=True)
+    checks.positive("mul", mul, allow_none=True, allow_schedule=True)
+    checks.positive("min_value", min_value, allow_none=True, allow_schedule=True)
+    checks.positive("max_decay", max_decay, allow_none=True, allow_schedule=True)
+
+
+class _Limits(NamedTuple):
+    """``add``, ``mul``, ``min_value``, ``max_decay`` at one step (``None``: not used)."""
+    add: Any
+    mul: Any
+    min_value: Any
+    max_decay: Any
+
+
+def _limits_at(count: jax.Array, *values) -> _Limits:
+    """Each float-or-schedule limit resolved at ``count`` (the number of finite steps)."""
+    return _Limits(*(None if v is None else checks.resolve(v, count) for v in values))
 
 
 def _const(value, like: jax.Array) -> jax.Array:
@@ -88,6 +101,9 @@ def clip_value_growth(
         p <- p / max_decay  if r < 1 / max_decay  else x     (the reference decays slowly)
 
     With ``add`` and ``mul`` both ``None`` the transform is the identity.
+
+    Each limit (``add``, ``mul``, ``min_value``, ``max_decay``) takes a number or an optax
+    schedule ``count -> value``, ``count`` being the number of finite steps taken.
 
     Args:
       add: ``>= 0`` or ``None``: additive cap, ``|x| <= |p| + add``.
@@ -122,7 +138,7 @@ def clip_value_growth(
     norms.check_axis_name(axis_name)
     identity = add is None and mul is None
 
-    def one_leaf(x, prev, first):
+    def one_leaf(x, prev, first, hp):
         """Returns ``(output, new reference, max ratio, clipped)`` for one float leaf."""
         wide = x.astype(prev.dtype)
         if identity:
@@ -130,16 +146,17 @@ def clip_value_growth(
         reference = jnp.abs(prev)
         y = wide
         if add is not None:
-            excess = jnp.maximum(jnp.abs(y) - reference, 0) - _const(add, y)
+            excess = jnp.maximum(jnp.abs(y) - reference, 0) - _const(hp.add, y)
             y = jnp.where(excess > 0, y - excess * jnp.sign(y), y)
         floor = reference if min_value is None else jnp.maximum(reference,
-                                                                _const(min_value, y))
+                                                                _const(hp.min_value, y))
         ratio = jnp.maximum(jnp.abs(y) / floor, _const(_MIN_RATIO, y))
         if mul is not None:
-            y = jnp.where(ratio > _const(mul, y), y / (ratio / _const(mul, y)), y)
+            y = jnp.where(ratio > _const(hp.mul, y), y / (ratio / _const(hp.mul, y)), y)
         new_prev = y
         if max_decay is not None:
-            new_prev = jnp.where(ratio < 1 / _const(max_decay, y), prev / _const(max_decay, y),
+            decay = _const(hp.max_decay, y)
+            new_prev = jnp.where(ratio < 1 / decay, prev / decay,
                                  y)
         clipped = norms.any_true(jnp.any(y != wide), axis_name)
         # 0/0 (no floor, zero reference and update) has no ratio; torchzero leaves it alone.
@@ -155,14 +172,15 @@ def clip_value_growth(
             params)
         ratio = jax.tree.map(lambda p: jnp.ones((), p.dtype), prev)
         zero = jnp.zeros([], jnp.int32)
-        return ClipValueGrowthState(zero, prev, ratio,
-                                    jax.tree.map(lambda r: jnp.zeros((), bool), ratio), zero)
+        return stats_lib.own_buffers(ClipValueGrowthState(
+            zero, prev, ratio, jax.tree.map(lambda r: jnp.zeros((), bool), ratio), zero))
 
     def update_fn(updates, state, params=None):
         del params
         leaves, (prevs,), treedef = norms.flatten_with(updates, state.prev)
         first = state.count == 0
-        results = [one_leaf(x, p, first) if norms.is_float(x) else (x, None, None, None)
+        hp = _limits_at(state.count, add, mul, min_value, max_decay)
+        results = [one_leaf(x, p, first, hp) if norms.is_float(x) else (x, None, None, None)
                    for x, p in zip(leaves, prevs)]
         outputs, new_prev, max_ratio, clipped = (
             treedef.unflatten([r[k] for r in results]) for k in range(4))
@@ -171,7 +189,7 @@ def clip_value_growth(
                                    clipped, state.nonfinite)
         return outputs, commit_step(ok, new, state)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn)
 
 
 def clip_norm_growth(
@@ -195,6 +213,9 @@ def clip_norm_growth(
 
     so ``||x_out|| <= min(p' + add, p' * mul)``. With ``add`` and ``mul`` both ``None`` the
     transform is the identity.
+
+    Each limit (``add``, ``mul``, ``min_value``, ``max_decay``) takes a number or an optax
+    schedule ``count -> value``, ``count`` being the number of finite steps taken.
 
     Args:
       add: ``>= 0`` or ``None``: additive cap on the norm.
@@ -240,25 +261,26 @@ def clip_norm_growth(
     norms.check_axis_name(axis_name)
     state_cls = ClipNormGrowthState if parameterwise else ClipNormGrowthGlobalState
 
-    def divisor_and_reference(n, prev, first, measurable):
+    def divisor_and_reference(n, prev, first, measurable, hp):
         """Divisor ``d`` and the next reference norm for a group of norm ``n``."""
         if not measurable:
             return jnp.ones_like(n), prev
-        p = prev if min_value is None else jnp.maximum(prev, _const(min_value, prev))
+        p = prev if min_value is None else jnp.maximum(prev, _const(hp.min_value, prev))
         d = jnp.ones_like(n)
         if add is not None:
-            cap = p + _const(add, p)
+            cap = p + _const(hp.add, p)
             d = jnp.where(n > cap, n / cap, d)
         if mul is not None:
-            cap = p * _const(mul, p)
+            cap = p * _const(hp.mul, p)
             d = jnp.where(n > cap, jnp.maximum(d, n / cap), d)
         # torchzero also floors d at min_value here: min_value floors the reference only.
         new_prev = n / d
         if max_decay is not None:
-            new_prev = jnp.where(n / p < 1 / _const(max_decay, p), p / _const(max_decay, p),
+            decay = _const(hp.max_decay, p)
+            new_prev = jnp.where(n / p < 1 / decay, p / decay,
                                  new_prev)
         if min_value is not None:
-            new_prev = jnp.maximum(new_prev, _const(min_value, new_prev))
+            new_prev = jnp.maximum(new_prev, _const(hp.min_value, new_prev))
         # The first norm is stored as measured; the min_value floor applies when it is used.
         return jnp.where(first, 1, d), jnp.where(first, n, new_prev)
 
@@ -270,12 +292,14 @@ def clip_norm_growth(
             scalar = jnp.zeros((), jax.eval_shape(lambda t: norms.global_norm(t, ord),
                                                   params).dtype)
         zero = jnp.zeros([], jnp.int32)
-        return state_cls(zero, scalar, scalar, jax.tree.map(jnp.ones_like, scalar),
-                         jax.tree.map(lambda s: jnp.zeros((), bool), scalar), zero)
+        return stats_lib.own_buffers(state_cls(
+            zero, scalar, scalar, jax.tree.map(jnp.ones_like, scalar),
+            jax.tree.map(lambda s: jnp.zeros((), bool), scalar), zero))
 
     def update_fn(updates, state, params=None):
         del params
         first = state.count == 0
+        hp = _limits_at(state.count, add, mul, min_value, max_decay)
         leaves, treedef = jax.tree.flatten(updates, is_leaf=lambda x: x is None)
         floats = [x for x in leaves if norms.is_float(x)]
         if parameterwise:
@@ -285,7 +309,7 @@ def clip_norm_growth(
                 if norms.is_float(x):
                     measurable = norms.metric_defined(ord, x.size)
                     n = norms.leaf_norm(x, ord, axis_name) if measurable else jnp.zeros_like(prev)
-                    per_leaf[i] = (n, *divisor_and_reference(n, prev, first, measurable))
+                    per_leaf[i] = (n, *divisor_and_reference(n, prev, first, measurable, hp))
             norm, divisor, prev_norm = (
                 treedef.unflatten([p[k] if p else None for p in per_leaf]) for k in range(3))
             outputs = [norms.divide(x, p[1]) if p else x for x, p in zip(leaves, per_leaf)]
@@ -294,7 +318,8 @@ def clip_norm_growth(
             norm = (norms.global_norm(floats, ord, axis_name).astype(state.prev_norm.dtype)
                     if measurable
                     else jnp.zeros_like(state.prev_norm))
-            divisor, prev_norm = divisor_and_reference(norm, state.prev_norm, first, measurable)
+            divisor, prev_norm = divisor_and_reference(norm, state.prev_norm, first, measurable,
+                                                       hp)
             outputs = [norms.divide(x, divisor) for x in leaves]
 
         clipped = jax.tree.map(lambda d: d > 1, divisor)
@@ -303,4 +328,4 @@ def clip_norm_growth(
                         state.nonfinite)
         return treedef.unflatten(outputs), commit_step(ok, new, state)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn)

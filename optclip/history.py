@@ -55,7 +55,10 @@ def _torch_clip_factor(max_norm: jax.Array, norm: jax.Array) -> jax.Array:
     Exactly 1 when ``norm + 1e-6 <= max_norm`` (so "no clipping" leaves values bit-identical);
     a norm equal to ``max_norm`` is still shrunk by ``max_norm / (max_norm + 1e-6)``.
     """
-    return jnp.minimum(max_norm / (norm + _TORCH_EPS), 1)
+    # No threshold (inf) gives 1; the finite stand-in keeps the derivative finite (inf * 0).
+    unbounded = jnp.isinf(max_norm)
+    bound = jnp.where(unbounded, jnp.ones_like(max_norm), max_norm)
+    return jnp.where(unbounded, 1, jnp.minimum(bound / (norm + _TORCH_EPS), 1))
 
 
 def _check_parity(parity: Any) -> None:
@@ -387,7 +390,7 @@ def zscore_criterion(
         return jnp.where((state.mean != 0) & ~(z <= z_thresh), clipped, norm)
 
     def update(state, value):
-        var = alpha * state.var + (1 - alpha) * (value - state.mean) ** 2
+        var = _saturate(alpha * state.var + (1 - alpha) * (value - state.mean) ** 2)
         mean = alpha * state.mean + (1 - alpha) * value
         return ZScoreCriterionState(mean.astype(state.mean.dtype), var.astype(state.var.dtype))
 
@@ -436,7 +439,7 @@ def _warmup_statistics(buffer: jax.Array, steps: int) -> tuple[jax.Array, jax.Ar
     mean = jnp.sum(buffer, axis=-1) / steps
     if steps == 1:
         return mean, jnp.ones_like(mean)
-    return mean, jnp.sum((buffer - mean[..., None]) ** 2, axis=-1) / (steps - 1)
+    return mean, _saturate(jnp.sum((buffer - mean[..., None]) ** 2, axis=-1) / (steps - 1))
 
 
 def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_leaf,
@@ -469,7 +472,7 @@ def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_
         return _per_leaf_tree(updates, values) if per_leaf else values
 
     def init_fn(params):
-        dtype = norms.stat_dtype()
+        dtype = norms.stat_dtype(params)
         batch = (len(_float_leaves(params)),) if per_leaf else ()
         crit_state = jax.tree.map(lambda x: jnp.broadcast_to(x, batch + x.shape),
                                   criterion.init(dtype))
@@ -480,13 +483,13 @@ def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_
         else:
             inner = warmup_transform.init(params)
         zeros = jnp.zeros(batch, dtype)
-        return state_cls(
+        return stats_lib.own_buffers(state_cls(
             count=jnp.zeros([], jnp.int32),
             warmup_norms=jnp.zeros(batch + (buffer_size,), dtype),
             criterion=crit_state, warmup_state=inner,
             norm=diag_tree(params, zeros), threshold=diag_tree(params, zeros),
             scale=diag_tree(params, zeros + 1), clipped=diag_tree(params, zeros > 0),
-            spikes=jnp.zeros([], jnp.int32), nonfinite=jnp.zeros([], jnp.int32))
+            spikes=jnp.zeros([], jnp.int32), nonfinite=jnp.zeros([], jnp.int32)))
 
     def warmup_output(updates, state, params):
         if per_leaf:
@@ -565,7 +568,7 @@ def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_
                 finite, jnp.sum(~warm & should & clipped, dtype=jnp.int32), 0),
             nonfinite=state.nonfinite + (~finite).astype(jnp.int32))
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn)
 
 
 def _stack_diag(tree: Any, per_leaf: bool, dtype) -> jax.Array:
@@ -709,6 +712,7 @@ class ZClipState(NamedTuple):
     clipped: jax.Array       # bool
     spikes: jax.Array        # int32 detected spikes
     nonfinite: jax.Array     # int32 calls with a non-finite norm (state left unchanged)
+    step: jax.Array          # int32 finite calls: the count that threshold schedules see
 
 
 def zclip(
@@ -744,7 +748,9 @@ def zclip(
 
     Args:
       alpha: EMA decay, the weight of the old value, in ``[0, 1]``.
-      z_thresh: z-score threshold (std multiplier in percentile mode), ``> 0``.
+      z_thresh: z-score threshold (std multiplier in percentile mode), ``> 0``. This,
+        ``max_grad_norm`` and ``clip_factor`` also take an optax schedule ``count -> value``,
+        ``count`` being the number of finite calls (``state.step``).
       max_grad_norm: cap on the threshold after the warm-up and clip norm during it, ``> 0``,
         or ``None`` for neither. The default 1.0 (zclip 1.0.0's code; its README says ``None``)
         makes ZClip also a fixed clip at 1.0 on every call.
@@ -759,10 +765,13 @@ def zclip(
         scaled value is what the EMA sees (the reference's code; its docstring says only the
         ``z_thresh * std`` term).
       skip_update_on_spike: leave the EMAs untouched on a spike.
-      parity: ``"fixed"`` (default) detects spikes only once ``std > 0`` (with a variance of 0
-        the reference pins every larger norm to the mean, or to 0 after all-zero warm-up
-        gradients, for good); ``"reference"`` reproduces that and allows
-        ``warmup_steps < 2``.
+      parity: ``"fixed"`` (default) detects spikes only once ``std`` exceeds rounding noise,
+        ``16 eps |mean|`` (with a variance of 0 the reference pins every larger norm to the
+        mean, or to 0 after all-zero warm-up gradients, for good; identical warm-up norms
+        of 0.1 leave a float32 variance of about 1e-16, which counts as 0 here);
+        ``"reference"`` reproduces that and allows ``warmup_steps < 2``. A variance beyond
+        the statistics dtype's range (norms near 1e20 in float32) is kept at its largest
+        finite value.
       axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) (a name or a tuple) the
         leaves are split over: the norms are combined across devices with ``psum``, so every
         device takes the same decision and keeps the same state. Not needed under ``jax.jit``
@@ -796,10 +805,10 @@ def zclip(
       (0.55, 1)
     """
     checks.in_range("alpha", alpha, 0.0, 1.0)
-    checks.positive("z_thresh", z_thresh)
-    checks.positive("max_grad_norm", max_grad_norm, allow_none=True)
+    checks.positive("z_thresh", z_thresh, allow_schedule=True)
+    checks.positive("max_grad_norm", max_grad_norm, allow_none=True, allow_schedule=True)
     checks.non_negative("eps", eps)
-    checks.positive("clip_factor", clip_factor)
+    checks.positive("clip_factor", clip_factor, allow_schedule=True)
     checks.boolean("skip_update_on_spike", skip_update_on_spike)
     _check_parity(parity)
     norms.check_axis_name(axis_name)
@@ -817,12 +826,12 @@ def zclip(
     steps = max(warmup_steps, 1)
 
     def init_fn(params):
-        del params
-        dtype = norms.stat_dtype()
+        dtype = norms.stat_dtype(params)
         zero = jnp.zeros([], dtype)
-        return ZClipState(jnp.zeros([], jnp.int32), jnp.zeros((steps,), dtype), zero, zero,
-                          zero, zero, zero + 1, jnp.zeros([], bool),
-                          jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32))
+        return stats_lib.own_buffers(ZClipState(
+            jnp.zeros([], jnp.int32), jnp.zeros((steps,), dtype), zero, zero, zero, zero,
+            zero + 1, jnp.zeros([], bool), jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32),
+            jnp.zeros([], jnp.int32)))
 
     def update_fn(updates, state, params=None):
         del params
@@ -830,34 +839,36 @@ def zclip(
         norm = norms.global_norm(updates, 2.0, axis_name).astype(dtype)
         count = state.count
         warm = count < steps
-        cap = None if max_grad_norm is None else jnp.asarray(max_grad_norm, dtype)
+        cap = None if max_grad_norm is None else checks.resolve(max_grad_norm, state.step, dtype)
+        z_limit = checks.resolve(z_thresh, state.step, dtype)
+        factor = checks.resolve(clip_factor, state.step, dtype)
 
         # Warm-up: buffer the norm; the call that fills it starts the EMAs with
         # the buffer's mean and population variance.
         buffer = jnp.where(warm, state.warmup_norms.at[jnp.minimum(count, steps - 1)].set(norm),
                            state.warmup_norms)
         init_mean = jnp.sum(buffer) / steps
-        init_var = jnp.sum((buffer - init_mean) ** 2) / steps
+        init_var = _saturate(jnp.sum((buffer - init_mean) ** 2) / steps)
         completes = warm & (count + 1 == steps)
         warm_scale = jnp.ones((), dtype) if cap is None else _torch_clip_factor(cap, norm)
 
         # Active.
         mean, var = state.mean, state.var
-        std = jnp.sqrt(var)
+        std = norms.safe_sqrt(var)
         if mode == "percentile":
-            threshold = mean + z_thresh * std
+            threshold = mean + z_limit * std
             spike = norm > threshold
             detect = threshold
         else:
             detect = mean + z_thresh * (std + eps)  # spike iff z > z_thresh iff norm > detect
             z = (norm - mean) / (std + eps)
-            spike = z > z_thresh
+            spike = z > z_limit
             if clip_option == "mean":
                 threshold = mean
             else:
-                threshold = clip_factor * (mean + z_thresh * std / (z / z_thresh))
+                threshold = factor * (mean + z_limit * std / (z / z_limit))
         if fixed:  # a variance of 0 carries no information; detect nothing yet.
-            spike = spike & (std > 0)
+            spike = spike & ~_constant(mean, std)
         adaptive = jnp.where(spike, threshold, norm)
         # Python min(adaptive, cap): the first argument wins ties and NaN.
         eff = adaptive if cap is None else jnp.where(cap < adaptive, cap, adaptive)
@@ -870,7 +881,7 @@ def zclip(
         active_scale = jnp.where(norm > eff, eff / (norm + _TORCH_EPS), 1)
         fed = jnp.where(spike, threshold, norm)
         new_mean = alpha * mean + (1 - alpha) * fed
-        new_var = alpha * var + (1 - alpha) * (fed - new_mean) ** 2
+        new_var = _saturate(alpha * var + (1 - alpha) * (fed - new_mean) ** 2)
         if skip_update_on_spike:
             new_mean = jnp.where(spike, mean, new_mean)
             new_var = jnp.where(spike, var, new_var)
@@ -889,9 +900,10 @@ def zclip(
                            state.threshold),
             scale=stats_lib.keep_finite(scale, state.scale), clipped=scale < 1,
             spikes=state.spikes + (finite & ~warm & spike).astype(jnp.int32),
-            nonfinite=state.nonfinite + (~finite).astype(jnp.int32))
+            nonfinite=state.nonfinite + (~finite).astype(jnp.int32),
+            step=stats_lib.step_count(state.step, finite))
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -910,6 +922,7 @@ class QuantileClipState(NamedTuple):
     scale: Any            # factor applied
     clipped: Any          # bool
     nonfinite: jax.Array  # int32 calls with a non-finite norm (state left unchanged)
+    step: jax.Array       # int32 finite calls: the count that a ``quantile`` schedule sees
 
 
 @stats_lib.diagnostic("standard_clip", _AUTOCLIP_FIELDS)
@@ -922,6 +935,7 @@ class StandardClipState(NamedTuple):
     scale: Any
     clipped: Any
     nonfinite: jax.Array
+    step: jax.Array
 
 
 def _torch_lerp(a: jax.Array, b: jax.Array, w: jax.Array) -> jax.Array:
@@ -948,7 +962,21 @@ def _history_mean_std(history: jax.Array, filled: jax.Array) -> tuple[jax.Array,
     k = filled.astype(history.dtype)
     mean = jnp.sum(jnp.where(valid, history, 0), axis=-1) / k
     squares = jnp.sum(jnp.where(valid, (history - mean[..., None]) ** 2, 0), axis=-1)
-    return mean, jnp.sqrt(squares / (k - 1))
+    return mean, norms.safe_sqrt(squares / (k - 1))
+
+
+def _constant(mean: jax.Array, std: jax.Array) -> jax.Array:
+    """Whether ``std`` is rounding noise of a constant history (zclip's warm-up guard).
+
+    Identical warm-up norms of 0.1 leave a float32 variance of about 1e-16, not 0: a spread
+    below 16 ulps of the mean counts as none, so the guard holds despite rounding.
+    """
+    return std <= 16 * jnp.finfo(std.dtype).eps * jnp.abs(mean)
+
+
+def _saturate(var: jax.Array) -> jax.Array:
+    """A variance beyond the dtype's range (norms ~1e20 in float32) kept at its largest value."""
+    return jnp.minimum(var, jnp.finfo(var.dtype).max)
 
 
 def _autoclip(threshold_fn, history_length, global_threshold, state_cls, axis_name):
@@ -961,15 +989,15 @@ def _autoclip(threshold_fn, history_length, global_threshold, state_cls, axis_na
         return _per_leaf_tree(updates, values) if per_leaf else values
 
     def init_fn(params):
-        dtype = norms.stat_dtype()
+        dtype = norms.stat_dtype(params)
         batch = () if global_threshold else (len(_float_leaves(params)),)
         zeros = jnp.zeros(batch, dtype)
-        return state_cls(
+        return stats_lib.own_buffers(state_cls(
             jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32),
             jnp.zeros(batch + (history_length,), dtype),
             diag_tree(params, zeros), diag_tree(params, zeros),
             diag_tree(params, zeros + 1), diag_tree(params, zeros > 0),
-            jnp.zeros([], jnp.int32))
+            jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32)))
 
     def update_fn(updates, state, params=None):
         del params
@@ -981,8 +1009,9 @@ def _autoclip(threshold_fn, history_length, global_threshold, state_cls, axis_na
                           dtype)
         # The threshold comes from past norms only; none while the history is
         # empty, so call 1 is never clipped.
-        threshold = jnp.where(state.filled > 0, threshold_fn(state.history, state.filled),
-                              jnp.inf).astype(dtype)
+        threshold = jnp.where(
+            state.filled > 0, threshold_fn(state.history, state.filled, state.step),
+            jnp.inf).astype(dtype)
         scale = _torch_clip_factor(threshold, norm).astype(dtype)
         history = state.history.at[..., state.pos].set(norm)
         finite = jnp.all(jnp.isfinite(norm))
@@ -998,9 +1027,10 @@ def _autoclip(threshold_fn, history_length, global_threshold, state_cls, axis_na
                 jnp.where(jnp.isinf(threshold), norm, threshold), state.threshold)),
             scale=diag_tree(updates, last_finite(scale, state.scale)),
             clipped=diag_tree(updates, scale < 1),
-            nonfinite=state.nonfinite + (~finite).astype(jnp.int32))
+            nonfinite=state.nonfinite + (~finite).astype(jnp.int32),
+            step=stats_lib.step_count(state.step, finite))
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn)
 
 
 def quantile_clip(
@@ -1018,7 +1048,8 @@ def quantile_clip(
     is judged on its own norm); ``global_threshold=True`` uses the global norm.
 
     Args:
-      quantile: in ``[0, 1]`` (a fraction, not a percentile).
+      quantile: in ``[0, 1]`` (a fraction, not a percentile), or an optax schedule
+        ``count -> value`` (``count``: finite calls so far, ``state.step``).
       history_length: ``L``, the window (a ring buffer of ``L`` norms, per leaf in local mode).
       global_threshold: one history of the global norm instead of one per leaf.
       axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) (a name or a tuple) the
@@ -1049,9 +1080,13 @@ def quantile_clip(
       >>> round(float(optax.tree.norm(out)), 5)
       3.0
     """
-    checks.in_range("quantile", quantile, 0.0, 1.0)
-    return _autoclip(lambda h, k: _history_quantile(h, k, quantile), history_length,
-                     global_threshold, QuantileClipState, axis_name)
+    checks.in_range("quantile", quantile, 0.0, 1.0, allow_schedule=True)
+
+    def threshold_fn(history, filled, step):
+        return _history_quantile(history, filled, checks.resolve(quantile, step, history.dtype))
+
+    return _autoclip(threshold_fn, history_length, global_threshold, QuantileClipState,
+                     axis_name)
 
 
 def standard_clip(
@@ -1072,7 +1107,8 @@ def standard_clip(
     ``add_mean=True`` uses ``mean(h) + deviations * std(h)`` instead.
 
     Args:
-      deviations: ``>= 0``.
+      deviations: ``>= 0``, or an optax schedule ``count -> value`` (``count``: finite calls
+        so far, ``state.step``).
       history_length: ``L``, the window (a ring buffer of ``L`` norms, per leaf in local mode).
       global_threshold: one history of the global norm instead of one per leaf.
       add_mean: threshold ``mean + deviations * std`` instead of autoclip's ``deviations *
@@ -1104,14 +1140,15 @@ def standard_clip(
       >>> round(float(state.threshold), 4), round(float(optax.tree.norm(out)), 4)
       (1.3266, 1.3266)
     """
-    checks.non_negative("deviations", deviations)
+    checks.non_negative("deviations", deviations, allow_schedule=True)
     checks.boolean("add_mean", add_mean)
     _check_parity(parity)
     min_filled = 1 if parity == "reference" else 2
 
-    def threshold_fn(history, filled):
+    def threshold_fn(history, filled, step):
         mean, std = _history_mean_std(history, filled)
-        threshold = mean + deviations * std if add_mean else deviations * std
+        spread = checks.resolve(deviations, step, history.dtype) * std
+        threshold = mean + spread if add_mean else spread
         return jnp.where(filled >= min_filled, threshold, jnp.inf)
 
     return _autoclip(threshold_fn, history_length, global_threshold, StandardClipState,

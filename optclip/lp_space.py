@@ -90,6 +90,7 @@ class L1qState(NamedTuple):
 class ClampState(NamedTuple):
     clipped: Any          # per leaf: whether any element was clamped
     nonfinite: jax.Array
+    count: jax.Array      # int32 finite steps: the count that threshold schedules see
 
 
 @stats_lib.diagnostic("project_l2_ball", ("norm", "projected", "nonfinite"),
@@ -98,18 +99,21 @@ class ProjectL2BallState(NamedTuple):
     norm: Any             # per leaf: the norm of every slice of params + u before projecting
     projected: Any        # per leaf: per slice, whether it was scaled into the ball
     nonfinite: jax.Array
+    count: jax.Array      # int32 finite steps: the count that an ``epsilon`` schedule sees
 
 
 @stats_lib.diagnostic("project_linf_ball", ("projected", "nonfinite"), per_leaf=("projected",))
 class ProjectLinfBallState(NamedTuple):
     projected: Any        # per leaf: whether any element of params + u was moved
     nonfinite: jax.Array
+    count: jax.Array
 
 
 @stats_lib.diagnostic("clamp_params", ("projected", "nonfinite"), per_leaf=("projected",))
 class ClampParamsState(NamedTuple):
     projected: Any
     nonfinite: jax.Array
+    count: jax.Array
 
 
 @stats_lib.diagnostic("frank_wolfe", ("count", "alpha", "nonfinite"))
@@ -150,9 +154,10 @@ def _check_affine(grad_scale: Any, grad_bias: Any) -> None:
 def _check_bounds(clamp_min: Any, clamp_max: Any) -> None:
     if clamp_min is None and clamp_max is None:
         raise ValueError("clamp_min and clamp_max cannot both be None; set at least one bound")
-    checks.in_range("clamp_min", clamp_min, allow_none=True)
-    checks.in_range("clamp_max", clamp_max, allow_none=True)
-    if _is_number(clamp_min) and _is_number(clamp_max) and clamp_min > clamp_max:
+    checks.in_range("clamp_min", clamp_min, allow_none=True, allow_schedule=True)
+    checks.in_range("clamp_max", clamp_max, allow_none=True, allow_schedule=True)
+    if (checks.is_concrete_number(clamp_min) and checks.is_concrete_number(clamp_max)
+            and float(np.asarray(clamp_min)) > float(np.asarray(clamp_max))):
         raise ValueError(f"clamp_min must be <= clamp_max, got clamp_min={clamp_min!r} > "
                          f"clamp_max={clamp_max!r}")
 
@@ -161,18 +166,6 @@ def _check_q(q: Any, dq: Any, seed: Any) -> None:
     checks.in_range("q", q, 0.0, 1.0)
     checks.in_range("dq", dq, 0.0, 1.0)
     checks.integer("seed", seed, low=0)
-
-
-def _check_param_ndim_on(tree: Any, param_ndim: int | None, name: str) -> None:
-    """At ``init``: every float leaf must accept ``param_ndim``."""
-    per_leaf = axes_lib.leaf_param_ndims(param_ndim, tree)
-    for (path, leaf), leaf_ndim in zip(jax.tree_util.tree_flatten_with_path(tree)[0], per_leaf):
-        if norms.is_float(leaf):
-            try:
-                axes_lib.reduction_axes(leaf.ndim, param_ndim=leaf_ndim)
-            except ValueError as error:
-                raise ValueError(f"{name}: leaf {jax.tree_util.keystr(path) or '<root>'} of "
-                                 f"shape {tuple(leaf.shape)}: {error}") from None
 
 
 def _slice_axes(x: jax.Array, param_ndim: int | None) -> tuple[int, ...]:
@@ -232,9 +225,10 @@ def _normalized(g: jax.Array, ord: float, axes: tuple[int, ...], eps: Any,
     norm = norms.slice_norm(wide, ord, axes, split)
     eps = jnp.asarray(eps).astype(wide.dtype)
     # float16 is accumulated in float32, where its norms can neither underflow nor overflow.
+    # A zero slice stays zero; dividing it by 1 keeps its derivative finite (0 / eps**2 is NaN).
+    plain = jnp.where(norm == 0, 1, jnp.maximum(norm, eps))
     if g.dtype == jnp.float16:
-        denom = jnp.maximum(norm, eps)
-        return wide / jnp.where(denom == 0, 1, denom), norm
+        return wide / plain, norm
     tiny = float(jnp.finfo(wide.dtype).tiny)
     low = tiny if ord == 1.0 else math.sqrt(tiny)
     biggest = norms.across(jnp.max(jnp.abs(wide), axis=axes, keepdims=True, initial=0), "max",
@@ -244,7 +238,7 @@ def _normalized(g: jax.Array, ord: float, axes: tuple[int, ...], eps: Any,
     shift = jnp.where(rescale, -norms.binary_exponent(biggest), 0)
     half = norms.pow2(shift >> 1, wide.dtype)
     unit = wide * half * half * norms.pow2(shift & 1, wide.dtype)
-    denom = jnp.where(rescale, norms.slice_norm(unit, ord, axes, split), jnp.maximum(norm, eps))
+    denom = jnp.where(rescale, norms.slice_norm(unit, ord, axes, split), plain)
     out = unit / jnp.where(denom == 0, 1, denom)
     return out, jnp.where(rescale, norms.ldexp(denom, -shift), norm)
 
@@ -359,6 +353,12 @@ def _l1_lmo(g: jax.Array, axes: tuple[int, ...]) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 # The random drop fraction (dq > 0): one draw per float leaf per step, from a key in the state.
 
+def _logged_q(q: Any, leaf: jax.Array) -> jax.Array:
+    """``q`` as drawn (float32, as torch), stored in the leaf's statistics dtype (float64 for a
+    float64 leaf, like every statistic)."""
+    return jnp.asarray(q, jnp.float32).astype(norms.acc_dtype(leaf.dtype))
+
+
 class _DropFraction:
     """Static-or-drawn ``q`` per leaf and the matching ``k``."""
 
@@ -369,7 +369,7 @@ class _DropFraction:
     def init(self, params: Any) -> tuple[jax.Array, Any, Any]:
         """The key, and ``q``/``k`` trees holding ``q`` and 0 until the first step."""
         key = jax.random.PRNGKey(self.seed)
-        q = _per_leaf(lambda x: jnp.asarray(self.q, jnp.float32), params)
+        q = _per_leaf(lambda x: _logged_q(self.q, x), params)
         k = _per_leaf(lambda x: jnp.zeros((), jnp.int32), params)
         return key, q, k
 
@@ -383,7 +383,7 @@ class _DropFraction:
         k_of: list[Any] = [None] * len(leaves)
         if self.static:
             for i in floats:
-                q_of[i] = jnp.asarray(self.q, jnp.float32)
+                q_of[i] = _logged_q(self.q, leaves[i])
                 k_of[i] = _static_k(self.q, sizes[i])
             return key, q_of, k_of
         key, subkey = jax.random.split(key)
@@ -396,7 +396,7 @@ class _DropFraction:
         # float available (the reference uses double; float32 can differ only at exact .5).
         q_t = (q_hi - q_lo) * u + q_lo
         for j, i in enumerate(floats):
-            q_of[i] = q_t[j]
+            q_of[i] = _logged_q(q_t[j], leaves[i])
             k_of[i] = _traced_k(q_t[j], sizes[i])
         return key, q_of, k_of
 
@@ -439,7 +439,7 @@ def sign(grad_scale: float = 1.0, grad_bias: float = 0.0) -> optax.GradientTrans
         del params
         return norms.float_map(lambda g: _affine(_sign(g), grad_scale, grad_bias), updates), state
 
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+    return checks.transformation(lambda params: optax.EmptyState(), update_fn)
 
 
 def _lp_normalize(ord: float, state_cls: type, name: str, param_ndim: int | None, eps: Any,
@@ -461,7 +461,6 @@ def _lp_normalize(ord: float, state_cls: type, name: str, param_ndim: int | None
         return tuple(treedef.unflatten([r[i] for r in results]) for i in range(2))
 
     def init_fn(params):
-        _check_param_ndim_on(params, param_ndim, name)
         measured = stats_lib.zeros_like_params(lambda p: apply(p)[1], params)
         return state_cls(measured, jnp.zeros([], jnp.int32))
 
@@ -472,7 +471,7 @@ def _lp_normalize(ord: float, state_cls: type, name: str, param_ndim: int | None
         return new_updates, state_cls(stats_lib.keep_if(finite, measured, state.norm),
                                       stats_lib.count_nonfinite(state.nonfinite, finite))
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn)
 
 
 def l1_normalize(param_ndim: int | None = -1, eps: float = TINY, grad_scale: float = 1.0,
@@ -493,8 +492,9 @@ def l1_normalize(param_ndim: int | None = -1, eps: float = TINY, grad_scale: flo
 
     Returns:
       An ``optax.GradientTransformation`` whose state logs each slice's L1 ``norm`` before
-      normalizing and a ``nonfinite`` step count. ``|param_ndim|`` larger than a leaf's rank
-      raises ``ValueError`` at ``init``.
+      normalizing and a ``nonfinite`` step count. A leaf of lower rank than ``|param_ndim|``
+      (a 0-d temperature, a 1-D leaf with ``param_ndim=2``) is one slice; rai_toolbox raises
+      there (spec §6 D12, D13).
 
     References:
       rai_toolbox ``L1NormedGradientOptim``. The norm is accumulated in
@@ -557,7 +557,6 @@ def _top_q_family(name: str, state_cls: type, q: Any, dq: Any, param_ndim: int |
     fraction = _DropFraction(q, dq, seed)
 
     def init_fn(params):
-        _check_param_ndim_on(params, param_ndim, name)
         return state_cls(*fraction.init(params), jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
@@ -575,7 +574,7 @@ def _top_q_family(name: str, state_cls: type, q: Any, dq: Any, param_ndim: int |
         return treedef.unflatten(new_leaves), new_state._replace(
             nonfinite=stats_lib.count_nonfinite(state.nonfinite, finite))
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn)
 
 
 def top_q(q: float, dq: float = 0.0, param_ndim: int | None = -1, grad_scale: float = 1.0,
@@ -678,8 +677,10 @@ def clamp(clamp_min: float | None = None, clamp_max: float | None = None,
     A ``None`` bound is absent. Scale and bias come after, so the output can leave the bounds.
 
     Args:
-      clamp_min: lower bound or ``None``.
-      clamp_max: upper bound or ``None`` (at least one must be set; ``clamp_min <= clamp_max``).
+      clamp_min: lower bound, ``None`` or an optax schedule ``count -> value`` (``count``:
+        finite steps taken).
+      clamp_max: upper bound, ``None`` or a schedule (at least one must be set;
+        ``clamp_min <= clamp_max``).
       grad_scale: multiplies the clamped gradient.
       grad_bias: then added to every element.
 
@@ -702,19 +703,26 @@ def clamp(clamp_min: float | None = None, clamp_max: float | None = None,
 
     def init_fn(params):
         return ClampState(_per_leaf(lambda x: jnp.zeros((), bool), params),
-                          jnp.zeros([], jnp.int32))
+                          jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
         del params
-        clamped = norms.float_map(lambda g: _clip(g, clamp_min, clamp_max), updates)
+        low, high = _bounds_at(state.count, clamp_min, clamp_max)
+        clamped = norms.float_map(lambda g: _clip(g, low, high), updates)
         clipped = jax.tree.map(lambda g, c: jnp.any(g != c) if norms.is_float(g) else None,
                                updates, clamped)
         finite = stats_lib.all_finite(updates)
         new_state = ClampState(stats_lib.keep_if(finite, clipped, state.clipped),
-                               stats_lib.count_nonfinite(state.nonfinite, finite))
+                               stats_lib.count_nonfinite(state.nonfinite, finite),
+                               stats_lib.step_count(state.count, finite))
         return norms.float_map(lambda g: _affine(g, grad_scale, grad_bias), clamped), new_state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn)
+
+
+def _bounds_at(count: jax.Array, low: Any, high: Any) -> tuple[Any, Any]:
+    """Float-or-schedule bounds (``None``: unbounded) resolved at ``count``."""
+    return tuple(None if b is None else checks.resolve(b, count) for b in (low, high))
 
 
 def _clip(x: jax.Array, low: Any, high: Any) -> jax.Array:
@@ -726,29 +734,33 @@ def _clip(x: jax.Array, low: Any, high: Any) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 # Parameter projections: the last transform of a chain; ``P(params + u) - params``.
 
-def _projection(name: str, project, init_diag, state_cls: type) -> optax.GradientTransformation:
-    """``project(x) -> (P(x), *diagnostics)`` per float leaf of ``x = params + u``;
-    ``init_diag(params)`` gives the initial diagnostic trees."""
-    n_diag = len(state_cls._fields) - 1
+def _projection(name: str, project, init_diag, state_cls: type, limits
+                ) -> optax.GradientTransformation:
+    """``project(x, limits(count)) -> (P(x), *diagnostics)`` per float leaf of
+    ``x = params + u``, ``limits`` resolving the float-or-schedule radius or bounds at the
+    count of finite steps; ``init_diag(params)`` gives the initial diagnostic trees."""
+    n_diag = len(state_cls._fields) - 2
 
     def init_fn(params):
-        return state_cls(*init_diag(params), jnp.zeros([], jnp.int32))
+        return state_cls(*init_diag(params), jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
         _require_params(params, name)
+        at = limits(state.count)
         targets = jax.tree.map(lambda u, p: (p + u).astype(p.dtype) if norms.is_float(u) else p,
                                updates, params)
         projected, *diag = norms.tree_unzip(
-            lambda x: project(x) if norms.is_float(x) else (x,) + (None,) * n_diag,
+            lambda x: project(x, at) if norms.is_float(x) else (x,) + (None,) * n_diag,
             targets, 1 + n_diag)
         new_updates = jax.tree.map(
             lambda u, px, p: (px - p).astype(u.dtype) if norms.is_float(u) else u,
             updates, projected, params)
         finite = stats_lib.all_finite(targets)
         kept = stats_lib.keep_if(finite, tuple(diag), tuple(state[:n_diag]))
-        return new_updates, state_cls(*kept, stats_lib.count_nonfinite(state.nonfinite, finite))
+        return new_updates, state_cls(*kept, stats_lib.count_nonfinite(state.nonfinite, finite),
+                                      stats_lib.step_count(state.count, finite))
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn)
 
 
 def project_l2_ball(epsilon: float, param_ndim: int | None = -1, *, exact: bool = False
@@ -764,7 +776,8 @@ def project_l2_ball(epsilon: float, param_ndim: int | None = -1, *, exact: bool 
     ``P(x)`` by one ulp per element.
 
     Args:
-      epsilon: the radius, ``>= 0`` (required).
+      epsilon: the radius, ``>= 0`` (required);
+        also an optax schedule ``count -> value`` (``count``: finite steps taken).
       param_ndim: which axes of each parameter form a slice, as in :func:`l1_normalize`.
       exact: use ``ε / ν`` instead of ``ε / (ν + 1e-7)`` (keyword only; an optclip addition).
 
@@ -787,37 +800,40 @@ def project_l2_ball(epsilon: float, param_ndim: int | None = -1, *, exact: bool 
       [[0.6, 0.8], [0.6, 0.8]]
     """
     axes_lib.check_param_ndim(param_ndim)
-    checks.non_negative("epsilon", epsilon)
+    checks.non_negative("epsilon", epsilon, allow_schedule=True)
     checks.boolean("exact", exact)
     renorm_eps = 0.0 if exact else RENORM_EPS
 
-    def project(x):
+    def project(x, at):
         axes = _slice_axes(x, param_ndim)
         norm = norms.slice_norm(x, 2.0, axes)
-        radius = jnp.asarray(epsilon).astype(norm.dtype)
+        radius = jnp.asarray(at).astype(norm.dtype)
         outside = norm > radius
         factor = jnp.where(outside, radius / (norm + jnp.asarray(renorm_eps, norm.dtype)), 1)
         return (norms.scale(x, factor), jnp.squeeze(norm, axis=axes),
                 jnp.squeeze(outside, axis=axes))
 
     def init_diag(params):
-        _check_param_ndim_on(params, param_ndim, "project_l2_ball")
         return stats_lib.zeros_like_params(lambda p: norms.tree_unzip(
-            lambda x: project(x)[1:] if norms.is_float(x) else (None, None), p, 2), params)
+            lambda x: project(x, epsilon_at(jnp.zeros([], jnp.int32)))[1:] if norms.is_float(x)
+            else (None, None), p, 2), params)
 
-    return _projection("project_l2_ball", project, init_diag, ProjectL2BallState)
+    def epsilon_at(count):
+        return checks.resolve(epsilon, count)
+
+    return _projection("project_l2_ball", project, init_diag, ProjectL2BallState, epsilon_at)
 
 
-def _box_projection(name: str, state_cls: type, low: Any, high: Any
-                    ) -> optax.GradientTransformation:
-    def project(x):
-        clipped = _clip(x, low, high)
+def _box_projection(name: str, state_cls: type, bounds) -> optax.GradientTransformation:
+    """``bounds(count) -> (low, high)``."""
+    def project(x, at):
+        clipped = _clip(x, *at)
         return clipped, jnp.any(clipped != x)
 
     def init_diag(params):
         return (_per_leaf(lambda x: jnp.zeros((), bool), params),)
 
-    return _projection(name, project, init_diag, state_cls)
+    return _projection(name, project, init_diag, state_cls, bounds)
 
 
 def project_linf_ball(epsilon: float) -> optax.GradientTransformation:
@@ -828,7 +844,8 @@ def project_linf_ball(epsilon: float) -> optax.GradientTransformation:
     ``P(params + u)`` up to one ulp (re-project if the bound must hold exactly).
 
     Args:
-      epsilon: the radius, ``>= 0`` (required).
+      epsilon: the radius, ``>= 0`` (required);
+        also an optax schedule ``count -> value`` (``count``: finite steps taken).
 
     Returns:
       An ``optax.GradientTransformation`` whose state logs, per leaf, whether any element was
@@ -847,9 +864,13 @@ def project_linf_ball(epsilon: float) -> optax.GradientTransformation:
       >>> optax.apply_updates(x, u).tolist()
       [-1.7999999523162842, 1.5]
     """
-    checks.non_negative("epsilon", epsilon)
-    low = -epsilon if _is_number(epsilon) else -jnp.asarray(epsilon)
-    return _box_projection("project_linf_ball", ProjectLinfBallState, low, epsilon)
+    checks.non_negative("epsilon", epsilon, allow_schedule=True)
+
+    def bounds(count):
+        radius = checks.resolve(epsilon, count)
+        return -radius, radius
+
+    return _box_projection("project_linf_ball", ProjectLinfBallState, bounds)
 
 
 def clamp_params(clamp_min: float | None = None, clamp_max: float | None = None
@@ -861,8 +882,10 @@ def clamp_params(clamp_min: float | None = None, clamp_max: float | None = None
     ``optax.apply_updates`` gives ``P(params + u)`` up to one ulp.
 
     Args:
-      clamp_min: lower bound or ``None``.
-      clamp_max: upper bound or ``None`` (at least one must be set; ``clamp_min <= clamp_max``).
+      clamp_min: lower bound, ``None`` or an optax schedule ``count -> value`` (``count``:
+        finite steps taken).
+      clamp_max: upper bound, ``None`` or a schedule (at least one must be set;
+        ``clamp_min <= clamp_max``).
 
     Returns:
       An ``optax.GradientTransformation`` whose state logs, per leaf, whether any element was
@@ -880,7 +903,8 @@ def clamp_params(clamp_min: float | None = None, clamp_max: float | None = None
       [0.5, 3.0]
     """
     _check_bounds(clamp_min, clamp_max)
-    return _box_projection("clamp_params", ClampParamsState, clamp_min, clamp_max)
+    return _box_projection("clamp_params", ClampParamsState,
+                           lambda count: _bounds_at(count, clamp_min, clamp_max))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -928,16 +952,18 @@ def _frank_wolfe(name: str, lmo, scaling: Any, learning_rate: Any, schedule: boo
     """Frank-Wolfe with ``direction = lmo(g, axes, k)``; ``fraction`` for the L1q LMO only."""
 
     def init_fn(params):
-        _check_param_ndim_on(params, param_ndim, name)
-        head = (jnp.zeros([], jnp.int32), jnp.zeros([], norms.stat_dtype()))
+        head = (jnp.zeros([], jnp.int32), jnp.zeros([], norms.stat_dtype(params)))
         if fraction is None:
             return FrankWolfeState(*head, jnp.zeros([], jnp.int32))
         return L1qFrankWolfeState(*head, *fraction.init(params), jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
         _require_params(params, name)
-        alpha, a, b = _fw_coefficients(state.count, learning_rate, scaling, schedule, fw_eps,
-                                       norms.stat_dtype())
+        # A schedule for the radius is resolved at the count of finite steps; a number keeps
+        # the double-precision products of _fw_coefficients.
+        scale_now = checks.resolve(scaling, state.count) if callable(scaling) else scaling
+        alpha, a, b = _fw_coefficients(state.count, learning_rate, scale_now, schedule, fw_eps,
+                                       state.alpha.dtype)
         leaves, treedef = jax.tree.flatten(updates)
         param_leaves = treedef.flatten_up_to(params)
         axes_of = _leaf_axes(leaves, updates, param_ndim)
@@ -958,7 +984,7 @@ def _frank_wolfe(name: str, lmo, scaling: Any, learning_rate: Any, schedule: boo
         return treedef.unflatten(new_leaves), new_state._replace(
             nonfinite=stats_lib.count_nonfinite(state.nonfinite, finite))
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn)
 
 
 def frank_wolfe(lmo_scaling_factor: float = 1.0, learning_rate: float = 2.0,
@@ -1010,7 +1036,7 @@ def frank_wolfe(lmo_scaling_factor: float = 1.0, learning_rate: float = 2.0,
 def _fw_family(name: str, lmo, epsilon, learning_rate, use_default_lr_schedule, param_ndim,
                eps, *, eps_to_fw: bool, fraction: _DropFraction | None = None
                ) -> optax.GradientTransformation:
-    checks.non_negative("epsilon", epsilon)
+    checks.non_negative("epsilon", epsilon, allow_schedule=True)
     _check_fw(learning_rate, use_default_lr_schedule, eps)
     axes_lib.check_param_ndim_spec(param_ndim)
     return _frank_wolfe(name, lmo, epsilon, learning_rate, use_default_lr_schedule,
@@ -1027,7 +1053,8 @@ def l1_frank_wolfe(epsilon: float, learning_rate: float = 2.0,
     ``p <- (1 - α) p - α ε ĝ``.
 
     Args:
-      epsilon: the radius ``ε`` of the ball, ``>= 0`` (required).
+      epsilon: the radius ``ε`` of the ball, ``>= 0`` (required);
+        also an optax schedule ``count -> value`` (``count``: finite steps taken).
       learning_rate: ``lr`` of the step size, ``>= 0`` (``<= 1`` when the schedule is off).
       use_default_lr_schedule: ``α_t = lr / (lr + t)`` (default) or a constant ``α = lr``.
       param_ndim: which axes form a slice, as in :func:`l1_normalize` (default ``-1``: on a 1-D
@@ -1064,7 +1091,8 @@ def l2_frank_wolfe(epsilon: float, learning_rate: float = 2.0,
     :func:`frank_wolfe` with ``c = ε``: ``p <- (1 - α) p - α ε ĝ``.
 
     Args:
-      epsilon: the radius ``ε`` of the ball, ``>= 0`` (required).
+      epsilon: the radius ``ε`` of the ball, ``>= 0`` (required);
+        also an optax schedule ``count -> value`` (``count``: finite steps taken).
       learning_rate: ``lr`` of the step size, ``>= 0`` (``<= 1`` when the schedule is off).
       use_default_lr_schedule: ``α_t = lr / (lr + t)`` (default) or a constant ``α = lr``.
       param_ndim: which axes form a slice, as in :func:`l1_normalize` (default ``-1``).
@@ -1101,7 +1129,8 @@ def linf_frank_wolfe(epsilon: float, learning_rate: float = 2.0,
     ``p <- (1 - α) p - α ε sign(g)``.
 
     Args:
-      epsilon: the radius ``ε`` of the ball, ``>= 0`` (required).
+      epsilon: the radius ``ε`` of the ball, ``>= 0`` (required);
+        also an optax schedule ``count -> value`` (``count``: finite steps taken).
       learning_rate: ``lr`` of the step size, ``>= 0`` (``<= 1`` when the schedule is off).
       use_default_lr_schedule: ``α_t = lr / (lr + t)`` (default) or a constant ``α = lr``.
       param_ndim: only validated (the LMO is elementwise); kept for parity with the reference,
@@ -1138,7 +1167,8 @@ def l1q_frank_wolfe(q: float, epsilon: float, dq: float = 0.0, learning_rate: fl
 
     Args:
       q: the fraction of every slice that is dropped, in ``[0, 1]`` (required).
-      epsilon: the radius ``ε``, ``>= 0`` (required).
+      epsilon: the radius ``ε``, ``>= 0`` (required);
+        also an optax schedule ``count -> value`` (``count``: finite steps taken).
       dq: half-width of the random interval around ``q`` (see :func:`top_q`).
       learning_rate: ``lr`` of the step size, ``>= 0`` (``<= 1`` when the schedule is off).
       use_default_lr_schedule: ``α_t = lr / (lr + t)`` (default) or a constant ``α = lr``.

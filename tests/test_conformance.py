@@ -150,7 +150,7 @@ def test_bad_hyperparameters_rejected_at_construction(entry):
     assert entry.bad_args, "list at least one bad argument in the registry"
     factory = getattr(optclip, entry.name)
     for kwargs, name in entry.bad_args:
-        with pytest.raises((ValueError, TypeError), match=name):
+        with pytest.raises((ValueError, TypeError), match=_whole_word(name)):
             factory(**kwargs)
 
 
@@ -287,3 +287,331 @@ def test_shard_map_ones_clipped_by_their_global_norm(entry):
     norms = [v for k, v in logged.items() if k.endswith(("/norm", "/norm_max"))]
     assert norms, logged.keys()
     np.testing.assert_allclose(np.asarray(norms, np.float64), np.sqrt(32.0), rtol=1e-6)
+
+
+# The second-round contract (conventions 10-13 and the defects they came from).
+
+def _factory(entry: Entry):
+    return getattr(optclip, entry.name)
+
+
+def _whole_word(name: str) -> str:
+    return rf"\b{name}\b"
+
+
+def _loss_weights(tree):
+    return jax.tree.map(lambda x: jnp.linspace(0.5, 1.5, x.size).reshape(x.shape), tree)
+
+
+@entries
+def test_bad_hyperparameters_rejected_as_array_scalars_too(entry):
+    """Convention 12: a concrete 0-d array is validated like the float it holds."""
+    factory = _factory(entry)
+    numeric = [(kwargs, name) for kwargs, name in entry.bad_args
+               if isinstance(kwargs.get(name), float) and not np.isnan(kwargs[name])]
+    for kwargs, name in numeric:
+        for wrap in (jnp.asarray, np.asarray):
+            with pytest.raises((ValueError, TypeError), match=_whole_word(name)):
+                factory(**{**kwargs, name: wrap(kwargs[name])})
+
+
+def test_validation_messages_are_readable():
+    with pytest.raises(TypeError, match=r"\bdim\b.*int"):
+        optclip.clip_norm(1.0, dim=1.5)
+    with pytest.raises(ValueError, match=r"\bgrad_scale\b must be a number, got nan"):
+        optclip.sign(grad_scale=float("nan"))
+    with pytest.raises(ValueError, match=r"\bmax_norm\b"):
+        optclip.clip_by_global_norm(jnp.array(-1.0))
+    with pytest.raises(ValueError, match=r"\bvalue\b"):
+        optclip.clip_value(jnp.array(-1.0))
+
+
+@entries
+def test_donated_opt_state_in_a_jitted_chain_step(entry):
+    """The memory-saving train step: params and optimizer state donated to ``jax.jit``."""
+    tx = optax.chain(entry.make(), optax.sgd(1e-2))
+    params = _params(entry)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    state = tx.init(params)
+    for grads in _grads(entry):
+        ids = [id(x) for x in jax.tree.leaves(state)]
+        assert len(ids) == len(set(ids)), "one array object in several state fields"
+        params, state = step(params, state, grads)
+    assert all(np.all(np.isfinite(np.asarray(x, np.float64))) for x in _float_leaves(params))
+
+
+def _renamed(tree):
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    return {f"renamed_{i}": x for i, (_, x) in enumerate(leaves)}
+
+
+@entries
+def test_update_on_another_tree_names_the_leaf(entry):
+    """Convention 10: a changed structure or shape is an error naming the leaf.
+
+    Checked wherever the state ``init`` builds depends on the change (a transform whose state
+    holds only global scalars has nothing to pair up and accepts any tree).
+    """
+    tx = entry.make()
+    params = _params(entry)
+    state = tx.init(params)
+    grads = _grads(entry)[0]
+    shapes = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), jax.eval_shape(tx.init, tree))
+    cases = [("w", lambda t: {**t, "w": t["w"][:3, :2]}),
+             ("c", lambda t: {"w": t["w"], "c": t["b"]}),
+             ("b", lambda t: {"w": t["w"]})]
+    for leaf, change in cases:
+        if shapes(change(params)) == shapes(params):
+            continue
+        with pytest.raises((ValueError, TypeError), match=_whole_word(leaf)):
+            jax.eval_shape(tx.update, change(grads), state, change(params))
+
+
+def _threshold_cases():
+    return [pytest.param(e, name, id=f"{e.name}-{name}")
+            for e in ALL_ENTRIES for name in e.thresholds]
+
+
+@pytest.mark.parametrize(("entry", "name"), _threshold_cases())
+def test_every_threshold_takes_a_schedule(entry, name):
+    """Convention 12: a constant schedule gives what the float gives."""
+    kwargs = entry.thresholds[name]
+    value = kwargs[name]
+    plain = _factory(entry)(**kwargs)
+    scheduled = _factory(entry)(**{**kwargs, name: optax.constant_schedule(value)})
+    params = _params(entry)
+    plain_out, _ = _run(jax.jit(plain.update), plain.init(params), _grads(entry), params)
+    sched_out, _ = _run(jax.jit(scheduled.update), scheduled.init(params), _grads(entry), params)
+    chex.assert_trees_all_close(sched_out, plain_out, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(("entry", "name"), _threshold_cases())
+def test_a_nonfinite_step_does_not_advance_a_schedule(entry, name):
+    """The step after a skipped (non-finite) one sees the threshold of the skipped step."""
+    kwargs = entry.thresholds[name]
+    value = kwargs[name]
+    tx = _factory(entry)(**{**kwargs, name: lambda count: value * (count + 1) / (count + 2)})
+    params = _params(entry)
+    grads = _grads(entry)
+    bad = jax.tree.map(lambda g: jnp.full_like(g, jnp.nan), grads[1])
+    update = jax.jit(tx.update)
+    clean, _ = _run(update, tx.init(params), [grads[0], grads[2]], params)
+    skipped, _ = _run(update, tx.init(params), [grads[0], bad, grads[2]], params)
+    chex.assert_trees_all_close(skipped[-1], clean[-1], rtol=1e-6, atol=1e-7)
+
+
+def _nonfinite_count(state) -> int:
+    logged = optclip.stats(state)
+    counts = [int(v) for k, v in logged.items() if k.endswith("/nonfinite")]
+    assert counts, f"no nonfinite counter in {sorted(logged)}"
+    return sum(counts)
+
+
+@entries
+def test_nonfinite_steps_are_counted(entry):
+    if not entry.has_stats:
+        return
+    tx, update = _compiled(entry.name)
+    params = _params(entry)
+    grads = _grads(entry)
+    _, state = _run(update, tx.init(params), grads[:1], params)
+    assert _nonfinite_count(state) == 0
+    for poison in (jnp.nan, jnp.inf, -jnp.inf):
+        bad = jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(poison), grads[1])
+        before = _nonfinite_count(state)
+        _, state = update(bad, state, params)
+        assert _nonfinite_count(state) == before + 1, poison
+
+
+def _ord_cases():
+    return [pytest.param(e, o, id=f"{e.name}-{o}") for e in ALL_ENTRIES
+            if e.ord_kwargs is not None for o in (0, "l0", -1, -np.inf, np.inf, "mad")]
+
+
+@pytest.mark.parametrize(("entry", "ord"), _ord_cases())
+def test_infinite_gradient_counted_as_nonfinite_for_every_ord(entry, ord):
+    tx = _factory(entry)(**entry.ord_kwargs, ord=ord)
+    params = _params(entry)
+    grads = _grads(entry)
+    update = jax.jit(tx.update)
+    _, state = update(grads[0], tx.init(params), params)
+    bad = jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(jnp.inf), grads[1])
+    _, state = update(bad, state, params)
+    assert _nonfinite_count(state) == 1
+
+
+def _zero_leaf_tree(entry):
+    tree = entry.tree(jnp.float32, 5)
+    return {**tree, "b": jnp.zeros_like(tree["b"])}
+
+
+@entries
+@pytest.mark.parametrize("where", ["all_zero", "one_zero_leaf"])
+def test_meta_gradient_is_finite_at_zero(entry, where):
+    """``jax.grad`` through ``update`` (learned clipping, meta-learning) at a zero gradient."""
+    tx = entry.make()
+    params = _params(entry)
+    grads = _grads(entry)[0]
+    probe = (jax.tree.map(jnp.zeros_like, grads) if where == "all_zero"
+             else _zero_leaf_tree(entry))
+    state = tx.init(params)
+    _, state = tx.update(grads, state, params)
+    weights = _loss_weights(probe)
+
+    def loss(updates, params):
+        out, _ = tx.update(updates, state, params)
+        return sum(jnp.sum(o * w) for o, w in zip(jax.tree.leaves(out),
+                                                   jax.tree.leaves(weights)))
+
+    zero_params = jax.tree.map(jnp.zeros_like, params) if where == "all_zero" else params
+    for g in jax.tree.leaves(jax.grad(loss, argnums=(0, 1))(probe, zero_params)):
+        assert np.all(np.isfinite(np.asarray(g))), where
+
+
+def _huge(entry, dtype, magnitude):
+    tree = entry.tree(jnp.float32, 7)
+    return jax.tree.map(lambda x: (x / jnp.max(jnp.abs(x)) * magnitude).astype(dtype), tree)
+
+
+@entries
+@pytest.mark.parametrize(("dtype", "magnitude"), [(jnp.float32, 1e20), (jnp.float16, 6e4)],
+                         ids=["f32-1e20", "f16-6e4"])
+def test_norms_are_scale_safe(entry, dtype, magnitude):
+    """Convention 13: finite gradients up to the dtype's range give finite, clipped outputs."""
+    tx = entry.make()
+    params = _params(entry, dtype)
+    # Enough steps for the warm-ups of the registry's history-based entries to end.
+    factors = (1.0, 1 / 3, 1 / 2, 1.0)
+    update = jax.jit(tx.update)
+    outs, state = _run(update, tx.init(params), [_huge(entry, dtype, magnitude * f)
+                                                 for f in factors], params)
+    # The same steps at magnitude ~1: a leaf that comes out non-zero there must not be zeroed.
+    plain, _ = _run(update, tx.init(params), [_huge(entry, dtype, f) for f in factors], params)
+    for out, reference in zip(outs, plain):
+        for name, leaf in out.items():
+            assert np.all(np.isfinite(np.asarray(leaf, np.float64))), name
+            if np.any(np.asarray(reference[name]) != 0):
+                assert np.any(np.asarray(leaf) != 0), f"{name} zeroed"
+        assert entry.bound is None or entry.bound(out)
+    for leaf in _float_leaves(state):
+        assert np.all(np.isfinite(np.asarray(leaf, np.float64)))
+
+
+@entries
+def test_the_bound_holds(entry):
+    if entry.bound is None:
+        return
+    tx, update = _compiled(entry.name)
+    params = _params(entry)
+    outs, _ = _run(update, tx.init(params), _grads(entry), params)
+    assert all(entry.bound(out) for out in outs)
+
+
+def _odd_leaves(entry):
+    tree = entry.tree(jnp.float32, 3)
+    return {**tree, "t": jnp.asarray(1.7, jnp.float32), "i": jnp.arange(3, dtype=jnp.int32)}
+
+
+@entries
+def test_python_float_and_zero_d_leaves(entry):
+    """Convention 11: a Python float is clipped like a 0-d array; a 0-d leaf is one slice."""
+    tx = entry.make()
+    as_array = _odd_leaves(entry)
+    as_float = {**as_array, "t": 1.7}
+    params = _odd_leaves(entry)
+    out_array, _ = jax.jit(tx.update)(as_array, tx.init(params), params)
+    out_float, _ = tx.update(as_float, tx.init({**params, "t": 1.7}), {**params, "t": 1.7})
+    np.testing.assert_array_equal(out_array["i"], as_array["i"])
+    assert out_array["i"].dtype == jnp.int32
+    chex.assert_trees_all_close(jax.tree.map(jnp.asarray, out_float), out_array,
+                                rtol=1e-6, atol=1e-7)
+
+
+@entries
+def test_complex_leaves_keep_their_imaginary_part_or_are_rejected(entry):
+    tx = entry.make()
+    tree = entry.tree(jnp.float32, 3)
+    tree = {**tree, "w": (tree["w"] + 1j * tree["w"][::-1]).astype(jnp.complex64)}
+    try:
+        out, _ = tx.update(tree, tx.init(tree), tree)
+    except (TypeError, ValueError) as err:
+        assert "complex" in str(err)
+        return
+    assert out["w"].dtype == jnp.complex64
+    assert np.any(np.imag(np.asarray(out["w"])) != 0), "imaginary part dropped"
+
+
+@entries
+def test_float64_leaves_see_float64_thresholds_and_statistics(entry):
+    """Convention 5/12 under x64: float64 leaves keep float64 statistics and outputs."""
+    with jax.enable_x64(True):
+        tx = entry.make()
+        params = _params(entry, jnp.float64)
+        outs, state = _run(jax.jit(tx.update), tx.init(params), _grads(entry, jnp.float64),
+                           params)
+        for out in outs:
+            chex.assert_trees_all_equal_dtypes(out, params)
+        for leaf in _float_leaves(state):
+            assert jnp.asarray(leaf).dtype == jnp.float64
+        # One rule: float32 leaves keep float32 statistics, x64 or not.
+        params = _params(entry, jnp.float32)
+        _, state = _run(jax.jit(tx.update), tx.init(params), _grads(entry, jnp.float32)[:1],
+                        params)
+        for leaf in _float_leaves(state):
+            assert jnp.asarray(leaf).dtype == jnp.float32
+
+
+def test_zclip_constant_warm_up_guard_survives_rounding():
+    """25 identical warm-up norms leave a float32 variance of ~1e-16: still "constant"."""
+    tx = optclip.zclip(max_grad_norm=None)
+    update = jax.jit(tx.update)
+    state = tx.init(jnp.zeros(1))
+    for _ in range(25):
+        _, state = update(jnp.array([0.1]), state)
+    out, _ = update(jnp.array([0.2]), state)
+    np.testing.assert_allclose(out, [0.2], rtol=1e-6)
+
+
+@pytest.mark.parametrize("make", [lambda: optclip.clip_value(0.07),
+                                  lambda: optclip.clip_by_global_norm(0.07),
+                                  lambda: optclip.clip_norm(0.07)], ids=["value", "global", "norm"])
+def test_float64_leaves_are_clipped_to_the_float64_threshold(make):
+    with jax.enable_x64(True):
+        tx = make()
+        g = jnp.asarray([3.0], jnp.float64)
+        out, _ = jax.jit(tx.update)(g, tx.init(g))
+        assert out.dtype == jnp.float64
+        assert float(out[0]) == 0.07
+
+
+def test_zclip_with_its_default_cap_is_scale_safe():
+    """ZClip's warm-up cap (``max_grad_norm=1.0``) on float32 elements of 1e20."""
+    tx = optclip.zclip(warmup_steps=2)
+    g = {"w": jnp.full((4, 4), 1e20, jnp.float32)}
+    state = tx.init(g)
+    for _ in range(3):
+        out, state = jax.jit(tx.update)(g, state)
+        np.testing.assert_allclose(optax.tree.norm(out), 1.0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: optclip.clip_by_global_norm(1.0), lambda: optclip.clip_norm(1.0),
+    lambda: optclip.normalize(1.0), lambda: optclip.clip_value(0.8),
+    lambda: optclip.project_l2_ball(1.0, exact=True), lambda: optclip.l2_normalize(),
+], ids=["global", "norm", "normalize", "value", "l2_ball_exact", "l2_normalize"])
+@pytest.mark.parametrize("point", [[0.6, 0.8], [0.0, 0.0]], ids=["boundary", "zero"])
+def test_meta_gradient_is_finite_at_the_clipping_boundary(make, point):
+    """At ``||g|| == max_norm`` (and ``|g| == value``) and at zero, ``jax.grad`` is finite."""
+    tx = make()
+    g = jnp.asarray(point)
+    params = jnp.zeros(2)
+    state = tx.init(params)
+    grads = jax.grad(lambda u, p: jnp.sum(tx.update(u, state, p)[0] * jnp.array([1.0, 2.0])),
+                     argnums=(0, 1))(g, params)
+    for leaf in grads:
+        assert np.all(np.isfinite(np.asarray(leaf)))

@@ -39,9 +39,9 @@ def test_reduction_axes(ndim, kwargs, expected):
 
 
 @pytest.mark.parametrize("param_ndim", [4, -4])
-def test_param_ndim_larger_than_rank_is_rejected(param_ndim):
-    with pytest.raises(ValueError, match=r"\|param_ndim\| must be <= the rank"):
-        axes.reduction_axes(3, param_ndim=param_ndim)
+def test_param_ndim_larger_than_rank_makes_the_leaf_one_slice(param_ndim):
+    assert axes.reduction_axes(3, param_ndim=param_ndim) == (0, 1, 2)
+    assert axes.reduction_axes(0, param_ndim=param_ndim) == ()
 
 
 @pytest.mark.parametrize("ord, expected", [
@@ -203,7 +203,9 @@ def test_grouped_reductions_match_one_reduce_per_leaf(ord, monkeypatch):
     grouped = jax.jit(lambda t: norms.global_norm(t, ord))(tree)
     np.testing.assert_allclose(grouped, per_leaf, rtol=1e-6)
     text = jax.jit(lambda t: norms.global_norm(t, ord)).lower(tree).as_text()
-    assert text.count("stablehlo.reduce") < 15          # 45 leaves (twice for std): a handful
+    # 45 leaves: a handful of grouped reductions per round, not one per leaf (std: the sum and
+    # the squares, and in the overflow branch of the cond the max, sum and squares again).
+    assert text.count("stablehlo.reduce") < 30
 
 
 def test_no_grouping_when_several_devices_are_visible():

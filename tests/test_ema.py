@@ -478,7 +478,7 @@ def test_traced_hyperparameters_with_inject_hyperparams():
 ])
 @pytest.mark.parametrize("factory", [optclip.clip_norm_by_ema, optclip.normalize_by_ema])
 def test_norm_by_ema_rejects_bad_arguments(factory, kwargs, name):
-    with pytest.raises((ValueError, TypeError), match=name):
+    with pytest.raises((ValueError, TypeError), match=rf"\b{name}\b"):
         factory(**kwargs)
 
 
@@ -487,7 +487,7 @@ def test_norm_by_ema_rejects_bad_arguments(factory, kwargs, name):
     (dict(ema_transform=optax.scale), "ema_transform"),
 ])
 def test_clip_value_by_ema_rejects_bad_arguments(kwargs, name):
-    with pytest.raises((ValueError, TypeError), match=name):
+    with pytest.raises((ValueError, TypeError), match=rf"\b{name}\b"):
         optclip.clip_value_by_ema(**kwargs)
 
 

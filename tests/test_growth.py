@@ -341,14 +341,14 @@ def test_traced_hyperparameters_with_inject_hyperparams():
 ])
 @pytest.mark.parametrize("factory", [optclip.clip_value_growth, optclip.clip_norm_growth])
 def test_growth_rejects_bad_arguments(factory, kwargs, name):
-    with pytest.raises((ValueError, TypeError), match=name):
+    with pytest.raises((ValueError, TypeError), match=rf"\b{name}\b"):
         factory(**kwargs)
 
 
 @pytest.mark.parametrize("kwargs,name", [(dict(ord="l5"), "ord"),
                                          (dict(parameterwise="no"), "parameterwise")])
 def test_clip_norm_growth_rejects_bad_arguments(kwargs, name):
-    with pytest.raises((ValueError, TypeError), match=name):
+    with pytest.raises((ValueError, TypeError), match=rf"\b{name}\b"):
         optclip.clip_norm_growth(**kwargs)
 
 

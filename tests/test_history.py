@@ -914,7 +914,7 @@ BAD_ARGS = [
 @pytest.mark.parametrize("make,kwargs,name", BAD_ARGS,
                          ids=[f"{m.__name__}-{n}" for m, _, n in BAD_ARGS])
 def test_bad_arguments(make, kwargs, name):
-    with pytest.raises((ValueError, TypeError), match=name):
+    with pytest.raises((ValueError, TypeError), match=rf"\b{name}\b"):
         make(**kwargs)
 
 

@@ -94,7 +94,13 @@ def check_dim(dim: Dim, *, allow_global: bool = True, allow_per_leaf: bool = Fal
             return
         allowed = "None, an int, a sequence of ints" + (" or 'global'" if allow_global else "")
         raise ValueError(f"dim must be {allowed}; got {dim!r}")
-    entries = [dim] if isinstance(dim, numbers.Integral) else list(dim)
+    if isinstance(dim, numbers.Integral):
+        entries = [dim]
+    elif isinstance(dim, Sequence):
+        entries = list(dim)
+    else:
+        raise TypeError(f"dim must be None, an int, a sequence of ints or 'global'; got {dim!r} "
+                        f"of type {type(dim).__name__}")
     for entry in entries:
         if isinstance(entry, bool) or not isinstance(entry, numbers.Integral):
             raise TypeError(f"dim must contain ints, got {entry!r} in {dim!r}")
@@ -109,10 +115,9 @@ def param_ndim_to_axes(param_ndim: int | None, ndim: int) -> tuple[int, ...]:
     if param_ndim is None:
         return tuple(range(ndim))
     if abs(param_ndim) > ndim:
-        raise ValueError(
-            f"|param_ndim| must be <= the rank of every leaf; got param_ndim={param_ndim} for a "
-            f"leaf of rank {ndim} (use param_ndim=None to treat each leaf as one slice)"
-        )
+        # A leaf of lower rank than |param_ndim| (a learned temperature, a bias) is one slice:
+        # rai_toolbox raises here (spec/lp_space.md §6 D12, D13).
+        return tuple(range(ndim))
     kept = param_ndim if param_ndim >= 0 else ndim + param_ndim
     return tuple(range(ndim - kept, ndim))
 

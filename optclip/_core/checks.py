@@ -3,9 +3,10 @@
 Every public factory validates its hyperparameters here, at construction time, so a bad value
 fails with a message naming the parameter and the allowed range instead of a trace-time error.
 
-Values that are jax arrays (for example the traced hyperparameters that
-``optax.inject_hyperparams`` passes in) or schedules (callables) cannot be checked without a host
-sync; they are accepted as they are.
+A concrete 0-d array (``jnp.array(-1.0)``, a numpy scalar array) is read on the host at
+construction and validated like the float it holds. Traced values (the hyperparameters that
+``optax.inject_hyperparams`` passes in under ``jax.jit``) and schedules (callables) cannot be
+checked without a host sync; they are accepted as they are.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 Schedule = Callable[[jax.Array], Any]
 ScalarOrSchedule = float | jax.Array | Schedule
@@ -33,7 +35,12 @@ def _check_number(name: str, value: Any, allow_schedule: bool) -> bool:
     if isinstance(value, (jax.Array, np.ndarray)) and not isinstance(value, np.generic):
         if np.ndim(value) != 0:
             raise TypeError(f"{name} must be a scalar, got an array of shape {np.shape(value)}")
-        return False
+        if isinstance(value, jax.core.Tracer):
+            return False
+        if not jnp.issubdtype(value.dtype, jnp.number) or jnp.issubdtype(
+                value.dtype, jnp.complexfloating):
+            raise TypeError(f"{name} must be a real number, got an array of dtype {value.dtype}")
+        return True
     if not _is_checkable_number(value):
         kind = "a number or a schedule (count -> value)" if allow_schedule else "a number"
         raise TypeError(f"{name} must be {kind}, got {value!r} of type {type(value).__name__}")
@@ -58,7 +65,9 @@ def in_range(
         raise TypeError(f"{name} must be a number, got None")
     if not _check_number(name, value, allow_schedule):
         return
-    v = float(value)
+    v = float(np.asarray(value))
+    if np.isnan(v) and low is None and high is None:
+        raise ValueError(f"{name} must be a number, got nan")
     lo_ok = low is None or (v >= low if low_inclusive else v > low)
     hi_ok = high is None or (v <= high if high_inclusive else v < high)
     if lo_ok and hi_ok and not np.isnan(v):
@@ -68,7 +77,7 @@ def in_range(
         parts.append(f"{'>=' if low_inclusive else '>'} {low:g}")
     if high is not None:
         parts.append(f"{'<=' if high_inclusive else '<'} {high:g}")
-    raise ValueError(f"{name} must be {' and '.join(parts)}, got {value!r}")
+    raise ValueError(f"{name} must be {' and '.join(parts)}, got {v!r}")
 
 
 def positive(name: str, value: Any, *, allow_schedule: bool = False, allow_none: bool = False):
@@ -117,8 +126,103 @@ def boolean(name: str, value: Any) -> None:
         raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
-def resolve(value: ScalarOrSchedule, count: jax.Array, dtype=jnp.float32) -> jax.Array:
-    """The value of a float-or-schedule hyperparameter at step ``count``."""
+def resolve(value: ScalarOrSchedule, count: jax.Array, dtype=None) -> jax.Array:
+    """The value of a float-or-schedule hyperparameter at step ``count``.
+
+    ``dtype`` defaults to the statistics dtype (float32; float64 under x64), so a float64 leaf
+    compares against a float64 threshold, not one rounded through float32.
+    """
     if callable(value):
         value = value(count)
+    if dtype is None:
+        dtype = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
     return jnp.asarray(value, dtype=dtype)
+
+
+def is_concrete_number(value: Any) -> bool:
+    """Whether ``value`` is a number known at construction (not a schedule or traced array)."""
+    if isinstance(value, jax.core.Tracer) or callable(value) or value is None:
+        return False
+    return np.ndim(value) == 0 and isinstance(np.asarray(value).item(), (int, float))
+
+
+def arrays(tree: Any) -> Any:
+    """``tree`` with Python-float leaves as 0-d arrays (convention 11: clipped like them).
+
+    Python ints and bools, like integer arrays, are left as they are (they pass through).
+    """
+    return jax.tree.map(lambda x: jnp.asarray(x) if isinstance(x, float) else x, tree)
+
+
+def transformation(init_fn: Callable[[Any], Any], update_fn: Callable[..., Any]
+                   ) -> optax.GradientTransformation:
+    """The ``optax.GradientTransformation`` of ``init_fn``/``update_fn``, with the tree contract.
+
+    Every transform is built here, so all of them: see Python-float leaves as 0-d arrays
+    (:func:`arrays`), and refuse an ``update`` on a tree that does not match the one ``init``
+    was given (:func:`matches_init`, a trace-time check naming the leaf).
+    """
+    # Tree signature -> the state signature init gave it: update then compares without
+    # tracing init again (eval_shape is the fallback for a tree init has not seen).
+    built: dict = {}
+
+    def init(params):
+        params = arrays(params)
+        state = init_fn(params)
+        try:
+            built[_signature(params)] = _state_signature(state)
+        except TypeError:   # an unhashable leaf: fall back to tracing init in update
+            pass
+        return state
+
+    def update(updates, state, params=None):
+        updates = arrays(updates)
+        matches_init(init_fn, updates, state, built)
+        return update_fn(updates, state, None if params is None else arrays(params))
+
+    return optax.GradientTransformation(init, update)
+
+
+def _signature(tree: Any) -> tuple:
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((np.shape(x), jnp.result_type(x)) for x in leaves)
+
+
+def _state_signature(state: Any) -> dict[str, tuple[int, ...]]:
+    """State leaf path -> shape."""
+    return {jax.tree_util.keystr(path): tuple(np.shape(leaf))
+            for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}
+
+
+def matches_init(init_fn: Callable[[Any], Any], updates: Any, state: Any,
+                 built: dict | None = None) -> None:
+    """Trace-time check that ``state`` is what ``init`` builds for a tree like ``updates``.
+
+    Convention 10: ``update`` on a tree whose structure or leaf shapes differ from the one
+    ``init`` was given is an error naming the leaf, never a broadcast or a silent re-pairing
+    of per-leaf state. Shapes are static, so this costs nothing at run time; it is exact under
+    ``jax.vmap`` (both sides see per-example shapes) and with ``optax.masked``'s
+    ``MaskedNode`` leaves (they have no arrays on either side).
+    """
+    want = None
+    if built is not None:
+        try:
+            want = built.get(_signature(updates))
+        except TypeError:
+            want = None
+    if want is None:
+        want = _state_signature(jax.eval_shape(init_fn, updates))
+    have = _state_signature(state)
+    if want.keys() != have.keys():
+        new = sorted(want.keys() - have.keys())
+        missing = sorted(have.keys() - want.keys())
+        raise ValueError(
+            "update got a tree that does not match the one init was given (state leaves "
+            f"the updates would need but the state lacks: {new or 'none'}; state leaves with "
+            f"no matching update: {missing or 'none'}); call init on the new tree")
+    for key, shape in want.items():
+        if have[key] != shape:
+            raise ValueError(
+                f"update got a leaf whose shape differs from the one init was given: state "
+                f"{key} has shape {have[key]}, the updates need {shape}")
+

@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from optclip._core import norms
 
@@ -163,6 +164,29 @@ def zeros_like_params(measure: Any, params: Any) -> Any:
         else _zero_from(v), measured)
 
 
+def step_count(count: jax.Array, finite: jax.Array) -> jax.Array:
+    """``count + 1`` after a finite step; a non-finite one leaves a schedule's clock alone."""
+    return jnp.where(finite, optax.safe_increment(count), count)
+
+
 def count_nonfinite(nonfinite: jax.Array, finite: jax.Array) -> jax.Array:
     """The ``nonfinite`` counter after a step whose updates were ``finite`` (a scalar bool)."""
     return nonfinite + (~finite).astype(jnp.int32)
+
+
+def own_buffers(state: Any) -> Any:
+    """``state`` with every array leaf its own object (repeated objects copied).
+
+    ``jax.jit(step, donate_argnums=...)`` with the optimizer state donated refuses a state in
+    which one array object fills several fields ("Attempt to donate the same buffer twice"),
+    which an ``init`` building two fields from one zero array would produce.
+    """
+    seen: set[int] = set()
+
+    def own(x):
+        if id(x) in seen:
+            return jnp.array(x, copy=True)
+        seen.add(id(x))
+        return x
+
+    return jax.tree.map(own, state)

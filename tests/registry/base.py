@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -16,6 +17,27 @@ def default_tree(dtype=jnp.float32, seed: int = 0) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
     return {"w": jnp.asarray(rng.normal(size=(8, 4)) * 3, dtype),
             "b": jnp.asarray(rng.normal(size=(4,)), dtype)}
+
+
+def _f64(tree) -> list[np.ndarray]:
+    return [np.asarray(x, np.float64) for x in jax.tree.leaves(tree)]
+
+
+# Bounds are checked in float64 with a tolerance that covers float16 outputs.
+BOUND_RTOL = 1e-2
+
+
+def max_abs_at_most(bound: float) -> Callable[[Any], bool]:
+    return lambda out: all(np.all(np.abs(x) <= bound) for x in _f64(out))
+
+
+def global_norm_at_most(bound: float) -> Callable[[Any], bool]:
+    return lambda out: np.sqrt(sum(np.sum(x ** 2) for x in _f64(out))) <= bound * (1 + BOUND_RTOL)
+
+
+def row_norms_at_most(bound: float, leaf: str) -> Callable[[Any], bool]:
+    return lambda out: np.all(np.linalg.norm(np.asarray(out[leaf], np.float64), axis=-1)
+                              <= bound * (1 + BOUND_RTOL))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +57,11 @@ class Entry:
       ``None`` for transforms without ``axis_name``.
     ones_norm: the global norm of the output for ``ones(8, 4)`` on the first step, for the
       transforms that act on the global norm then (``None``: not checked).
+    thresholds: parameter name -> keyword arguments that build the transform with that
+      parameter as a number; every threshold also takes an optax schedule (``count -> value``).
+    ord_kwargs: keyword arguments that build the transform when it takes an ``ord`` (the suite
+      adds each ``ord``); ``None`` when it has none.
+    bound: a property every output must have (the clipping bound holding), ``out -> bool``.
     """
 
     name: str
@@ -46,6 +73,9 @@ class Entry:
     rtol: float = 1e-5
     axis_make: Callable[[Any], optax.GradientTransformation] | None = None
     ones_norm: float | None = None
+    thresholds: dict[str, dict] = dataclasses.field(default_factory=dict)
+    ord_kwargs: dict | None = None
+    bound: Callable[[Any], bool] | None = None
 
     def __str__(self) -> str:
         return self.name
