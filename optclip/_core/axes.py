@@ -86,9 +86,9 @@ def check_dim(dim: Dim, *, allow_global: bool = True, allow_per_leaf: bool = Fal
     """Construction-time validation of a torchzero-style ``dim``."""
     if dim is None:
         return
+    checks.static("dim", dim)  # an array is neither an axis nor a per-leaf tree of axes
     if allow_per_leaf and is_per_leaf(dim):
         return
-    checks.static("dim", dim)
     if isinstance(dim, str):
         if allow_global and dim == GLOBAL:
             return
