@@ -860,7 +860,7 @@ def zclip(
             spike = norm > threshold
             detect = threshold
         else:
-            detect = mean + z_thresh * (std + eps)  # spike iff z > z_thresh iff norm > detect
+            detect = mean + z_limit * (std + eps)  # spike iff z > z_limit iff norm > detect
             z = (norm - mean) / (std + eps)
             spike = z > z_limit
             if clip_option == "mean":
@@ -875,7 +875,7 @@ def zclip(
         # The logged threshold: eff on a spike, else the norm above which this call would clip.
         limit = jnp.where(spike, threshold, detect)
         if fixed:
-            limit = jnp.where(std > 0, limit, jnp.inf)
+            limit = jnp.where(_constant(mean, std), jnp.inf, limit)
         limit = limit if cap is None else jnp.minimum(limit, cap)
         limit = jnp.where(warm, jnp.inf if cap is None else cap, limit)
         active_scale = jnp.where(norm > eff, eff / (norm + _TORCH_EPS), 1)

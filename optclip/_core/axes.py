@@ -57,6 +57,7 @@ def leaf_param_ndims(param_ndim: Any, tree: Any) -> list:
 
 def check_param_ndim_spec(param_ndim: Any) -> None:
     """Construction-time validation of ``param_ndim``: an int, ``None``, or per leaf."""
+    checks.static("param_ndim", param_ndim)  # an array is neither an int nor a tree of them
     if not is_per_leaf(param_ndim):
         check_param_ndim(param_ndim)
 

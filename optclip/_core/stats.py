@@ -145,7 +145,8 @@ def _zero_from(x: jax.Array) -> jax.Array:
     ``x`` inherits ``x``'s sharding there, and its sharding type under an explicit mesh.
     ``|x| * 0`` on finite entries (NaN/Inf in ``x`` never reach the state).
     """
-    return jnp.where(jnp.isfinite(x), jnp.abs(x), 0) * 0
+    # Cast back: |x| of a complex leaf is real, and the dtype must reach the transform's checks.
+    return (jnp.where(jnp.isfinite(x), jnp.abs(x), 0) * 0).astype(x.dtype)
 
 
 def zeros_like_params(measure: Any, params: Any) -> Any:
