@@ -33,6 +33,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -93,12 +94,31 @@ CASES: dict[str, Case] = {
     "linf_frank_wolfe": Case("optclip.linf_frank_wolfe(epsilon=1.0)", 1, "reads params"),
     "l1q_frank_wolfe": Case("optclip.l1q_frank_wolfe(q=0.3, epsilon=1.0)", 2,
                             "per-row sort; reads params"),
+    "adaptive_grad_clip": Case("optclip.adaptive_grad_clip(0.01)", 2,
+                               "per-unit norms of g and params"),
+    "adagc": Case("optclip.adagc()", 1, "per-leaf norms"),
+    # Wrappers of adam: the construction names ``adam`` and is the whole optimizer.
+    "skip_spikes": Case("optclip.skip_spikes(adam)", 1, "global norm; wraps adam"),
+    "spam_clip": Case("optclip.spam_clip(adam)", 0, "elementwise against adam's nu; wraps adam"),
+    "adamw_clip": Case("optclip.adamw_clip(adam)", 0,
+                       "elementwise from adam's moments; wraps adam"),
+    "stable_adamw_clip": Case("optclip.stable_adamw_clip(adam)", 2,
+                              "per-leaf RMS(g^2/nu): reads g and nu; wraps adam"),
 }
 BIG_ONLY = ("clip_by_global_norm", "clip_norm_by_ema")
 
 
 def make(case: Case) -> optax.GradientTransformation:
     return eval(case.construction, {"optclip": optclip})  # noqa: S307 (our own table)
+
+
+def optimizer(case: Case) -> optax.GradientTransformation:
+    """``chain(T, adam)``; for a transform that wraps adam (its construction names ``adam``),
+    the wrapped adam itself."""
+    adam = optax.adam(1e-3)
+    if re.search(r"\badam\b", case.construction):
+        return eval(case.construction, {"optclip": optclip, "adam": adam})  # noqa: S307
+    return optax.chain(make(case), adam)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,15 +245,17 @@ def measure_transform(name: str, case: Case, args, params, grads, adam: Stepper)
             continue
         tree = compile_tree(leaves)
         base = compile_seconds(optax.adam(1e-3), tree)
-        chained = compile_seconds(optax.chain(make(case), optax.adam(1e-3)), tree)
+        chained = compile_seconds(optimizer(case), tree)
         row["compile"][str(leaves)] = chained / base
         row["compile_s"][str(leaves)] = chained
         row["adam_compile_s"][str(leaves)] = base
-    state_ratio = state_per_param_byte(make(case), params)
+    # The transform's own state: that of the whole optimizer less adam's.
+    state_ratio = (state_per_param_byte(optimizer(case), params)
+                   - state_per_param_byte(optax.adam(1e-3), params))
     row["state_bytes_per_param_byte"] = state_ratio
     row["floor"] = floor(case, state_ratio)
     if not args.skip_step:
-        chain = Stepper(optax.chain(make(case), optax.adam(1e-3)), params, grads)
+        chain = Stepper(optimizer(case), params, grads)
         if chain.first_s > args.slow_step:
             # Far from the targets (sorting on a CPU): one warm step against adam's median.
             medians = {"adam": statistics.median(adam.run(args.steps)), "chain": chain.first_s}
