@@ -75,7 +75,11 @@ def _zscore_detector(alpha: float, eps: float):
         weight = jnp.maximum(1.0 / (accepted + 1).astype(value.dtype), 1 - alpha)
         delta = value - stats.mean
         mean = stats.mean + weight * delta
-        var = (1 - weight) * (stats.var + weight * delta ** 2)
+        # Norms near the dtype's range square past it: the variance saturates at the largest
+        # finite value instead of becoming inf (a spread that large flags nothing anyway).
+        top = jnp.finfo(stats.var.dtype).max
+        var = jnp.minimum((1 - weight) * (stats.var + weight * jnp.minimum(delta ** 2, top)),
+                          top)
         return ZScoreStats(mean.astype(stats.mean.dtype), var.astype(stats.var.dtype))
 
     return init, score, update
@@ -189,15 +193,15 @@ def skip_spikes(
     loss_threshold = threshold if loss_threshold is None else loss_threshold
 
     def init_fn(params):
-        dtype = norms.stat_dtype()
+        dtype = norms.stat_dtype(params)
         zero = jnp.zeros((), dtype)
         count = jnp.zeros((), jnp.int32)
-        return SkipSpikesState(
+        return stats_lib.own_buffers(SkipSpikesState(
             inner=inner.init(params), step=count, accepted=count,
             norm_stats=stats_init(dtype), loss_stats=stats_init(dtype),
             skipped=jnp.zeros((), bool), consecutive=count, total_skipped=count,
             score=zero, threshold=zero, norm=zero, loss_score=zero, forced=count,
-            nonfinite=count)
+            nonfinite=count))
 
     def judge(stats, value, thresh, ready, accepted):
         score = jnp.where(ready, score_fn(stats, value, accepted), 0).astype(value.dtype)
@@ -247,7 +251,9 @@ def skip_spikes(
             loss_score=stats_lib.keep_finite(loss_score, state.loss_score),
             forced=state.forced + forced.astype(jnp.int32),
             nonfinite=stats_lib.count_nonfinite(state.nonfinite, finite))
-        out = jax.tree.map(lambda u: jnp.where(skip, jnp.zeros_like(u), u), out)
+        # Integer leaves pass through unchanged, as in every optclip transform.
+        out = jax.tree.map(lambda o, u: jnp.where(skip, jnp.zeros_like(o), o)
+                           if norms.is_float(u) else u, out, updates)
         return out, new_state
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn, extra_args=True)
