@@ -34,7 +34,7 @@ _MAD_TO_STD = 1.4826
 
 class ZScoreStats(NamedTuple):
     mean: jax.Array   # exponentially weighted mean of the accepted values
-    var: jax.Array    # exponentially weighted variance of the accepted values
+    std: jax.Array    # square root of the exponentially weighted variance of the accepted values
 
 
 class WindowStats(NamedTuple):
@@ -67,7 +67,7 @@ def _zscore_detector(alpha: float, eps: float):
 
     def score(stats, value, accepted):
         del accepted
-        return (value - stats.mean) / (jnp.sqrt(stats.var) + eps)
+        return (value - stats.mean) / (stats.std + eps)
 
     def update(stats, value, accepted):
         # Running mean and variance while fewer than 1 / (1 - alpha) values were seen (no
@@ -75,12 +75,14 @@ def _zscore_detector(alpha: float, eps: float):
         weight = jnp.maximum(1.0 / (accepted + 1).astype(value.dtype), 1 - alpha)
         delta = value - stats.mean
         mean = stats.mean + weight * delta
-        # Norms near the dtype's range square past it: the variance saturates at the largest
-        # finite value instead of becoming inf (a spread that large flags nothing anyway).
-        top = jnp.finfo(stats.var.dtype).max
-        var = jnp.minimum((1 - weight) * (stats.var + weight * jnp.minimum(delta ** 2, top)),
-                          top)
-        return ZScoreStats(mean.astype(stats.mean.dtype), var.astype(stats.var.dtype))
+        # var <- (1 - w) (var + w delta^2), kept as its root and computed relative to the larger
+        # of std and |delta|: norms near the dtype's range (whose squares overflow) give the
+        # same scores as small ones.
+        top = jnp.maximum(stats.std, jnp.abs(delta))
+        top = jnp.where((top > 0) & jnp.isfinite(top), top, jnp.ones_like(top))
+        std = top * norms.safe_sqrt((1 - weight) * (jnp.square(stats.std / top)
+                                                    + weight * jnp.square(delta / top)))
+        return ZScoreStats(mean.astype(stats.mean.dtype), std.astype(stats.std.dtype))
 
     return init, score, update
 
