@@ -111,7 +111,7 @@ def adagc(
         warm = count < warmup_steps
         floats = [x for x in leaves if norms.is_float(x)]
         leaf_norms = [norms.leaf_norm(x, 2.0) for x in floats]
-        global_norm = jnp.sqrt(norms.tree_sum([n ** 2 for n in leaf_norms]))
+        global_norm = norms.global_norm(updates)
         finite = stats_lib.all_finite(updates)
         abs_thresh = checks.resolve(lambda_abs, count, global_norm.dtype)
         warm_scale = jnp.minimum(1.0, abs_thresh / (global_norm + eps))
@@ -148,4 +148,4 @@ def adagc(
             clipped=jax.tree.map(lambda s: s < 1, scale_tree),
             nonfinite=stats_lib.count_nonfinite(state.nonfinite, finite))
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn)

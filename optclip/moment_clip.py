@@ -105,6 +105,18 @@ def _matching_nu(updates: Any, nu: Any) -> list:
     return [v for x, v in zip(jax.tree.leaves(updates), nu_leaves) if norms.is_float(x)]
 
 
+def _passthrough(out: Any, updates: Any) -> Any:
+    """``out`` with the non-floating leaves of ``updates`` as they were (integer leaves pass
+    through every optclip transform; the wrapped optimizer would turn them into floats)."""
+    return jax.tree.map(lambda o, u: o if norms.is_float(u) else u, out, updates)
+
+
+def _sqrt_nu(v: jax.Array, leaf: jax.Array) -> jax.Array:
+    """``sqrt(nu)`` of one leaf in its statistics dtype (a root before any product, so a
+    threshold times ``nu`` never overflows where ``nu`` itself is finite)."""
+    return norms.safe_sqrt(v.astype(norms.acc_dtype(leaf.dtype)))
+
+
 def _clip_elementwise(updates: Any, thresholds: list) -> tuple[Any, jax.Array]:
     """Clip each float leaf to ``[-thr, thr]`` (``thr`` of its shape); fraction clipped."""
     leaves, treedef = jax.tree.flatten(updates)
@@ -120,7 +132,7 @@ def _clip_elementwise(updates: Any, thresholds: list) -> tuple[Any, jax.Array]:
         hits.append(jnp.sum(over, dtype=jnp.float32))
     size = sum(x.size for x in leaves if norms.is_float(x))
     fraction = norms.tree_sum(hits) / max(size, 1)
-    return treedef.unflatten(out), fraction.astype(jnp.float32)
+    return treedef.unflatten(out), fraction.astype(norms.stat_dtype(updates))
 
 
 def _bias_correction(b2: Any, count: jax.Array) -> jax.Array:
@@ -188,8 +200,9 @@ def spam_clip(
         inner_state = inner.init(params)
         _moment_state(inner_state)
         zero = jnp.zeros((), jnp.int32)
-        return SpamClipState(inner_state, zero, jnp.zeros((), jnp.float32),
-                             jnp.zeros((), bool), jnp.zeros((), bool), zero, zero)
+        return stats_lib.own_buffers(SpamClipState(
+            inner_state, zero, jnp.zeros((), norms.stat_dtype(params)), jnp.zeros((), bool),
+            jnp.zeros((), bool), zero, zero))
 
     def reset_moments(moments):
         return moments._replace(mu=optax.tree.zeros_like(moments.mu),
@@ -210,19 +223,22 @@ def spam_clip(
             in_period = step % reset_interval
         active = (step >= clip_after) & (in_period >= clip_after)
         nu = _matching_nu(updates, _moment_state(inner_state).nu)
-        theta = checks.resolve(threshold, state.count)
-        limits = [jnp.where(active, jnp.sqrt(theta * v.astype(jnp.float32)), jnp.inf)
-                  for v in nu]
+        floats = [x for x in jax.tree.leaves(updates) if norms.is_float(x)]
+        root_theta = norms.safe_sqrt(checks.resolve(threshold, state.count,
+                                                    norms.stat_dtype(updates)))
+        limits = [jnp.where(active, root_theta.astype(s.dtype) * s, jnp.inf)
+                  for s in (_sqrt_nu(v, x) for v, x in zip(nu, floats))]
         clipped, fraction = _clip_elementwise(updates, limits)
         out, new_inner = inner.update(clipped, inner_state, params, **extra_args)
         finite = stats_lib.all_finite(updates)
-        return out, SpamClipState(
+        return _passthrough(out, updates), SpamClipState(
             inner=stats_lib.keep_if(finite, new_inner, state.inner),
-            count=step, clipped_fraction=fraction, clip_active=active, reset=reset & finite,
+            count=step, clipped_fraction=fraction.astype(state.clipped_fraction.dtype),
+            clip_active=active, reset=reset & finite,
             resets=state.resets + (reset & finite).astype(jnp.int32),
             nonfinite=stats_lib.count_nonfinite(state.nonfinite, finite))
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn, extra_args=True)
 
 
 def adamw_clip(
@@ -279,28 +295,31 @@ def adamw_clip(
     def init_fn(params):
         inner_state = inner.init(params)
         _moment_state(inner_state)
-        return AdamWClipState(inner_state, jnp.zeros((), jnp.float32), jnp.zeros((), bool),
-                              jnp.zeros((), jnp.int32))
+        return AdamWClipState(inner_state, jnp.zeros((), norms.stat_dtype(params)),
+                              jnp.zeros((), bool), jnp.zeros((), jnp.int32))
 
     def update_fn(updates, state, params=None, **extra_args):
         moments = _moment_state(state.inner)
         seen = moments.count  # gradients the adam has seen before this step
         step = seen + 1
         active = (seen > 0) & (step > warmup_steps)
-        correction = _bias_correction(b2, seen)
-        width = checks.resolve(sigmas, seen)
-        limits = [jnp.where(active, jnp.maximum(
-            width * jnp.sqrt(v.astype(jnp.float32) / correction), min_threshold), jnp.inf)
-            for v in _matching_nu(updates, moments.nu)]
+        stat = norms.stat_dtype(updates)
+        root_correction = jnp.sqrt(_bias_correction(b2, seen)).astype(stat)
+        width = checks.resolve(sigmas, seen, stat) / root_correction
+        floats = [x for x in jax.tree.leaves(updates) if norms.is_float(x)]
+        limits = [jnp.where(active, jnp.maximum(width.astype(s.dtype) * s, min_threshold),
+                            jnp.inf)
+                  for s in (_sqrt_nu(v, x) for v, x in
+                            zip(_matching_nu(updates, moments.nu), floats))]
         clipped, fraction = _clip_elementwise(updates, limits)
         out, new_inner = inner.update(clipped, state.inner, params, **extra_args)
         finite = stats_lib.all_finite(updates)
-        return out, AdamWClipState(
+        return _passthrough(out, updates), AdamWClipState(
             inner=stats_lib.keep_if(finite, new_inner, state.inner),
-            clipped_fraction=fraction, clip_active=active,
+            clipped_fraction=fraction.astype(state.clipped_fraction.dtype), clip_active=active,
             nonfinite=stats_lib.count_nonfinite(state.nonfinite, finite))
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn, extra_args=True)
 
 
 def stable_adamw_clip(
@@ -348,15 +367,15 @@ def stable_adamw_clip(
     checks.in_range("b2", b2, 0.0, 1.0, high_inclusive=False)
     checks.non_negative("eps", eps)
 
-    def per_leaf(tree, value, dtype):
-        return jax.tree.map(lambda x: jnp.full((), value, dtype) if norms.is_float(x) else None,
-                            tree)
+    def per_leaf(tree, value, dtype=None):
+        return jax.tree.map(
+            lambda x: jnp.full((), value, dtype or norms.acc_dtype(x.dtype))
+            if norms.is_float(x) else None, tree)
 
     def init_fn(params):
         inner_state = inner.init(params)
         _moment_state(inner_state)
-        return StableAdamWClipState(inner_state, per_leaf(params, 0.0, jnp.float32),
-                                    per_leaf(params, 1.0, jnp.float32),
+        return StableAdamWClipState(inner_state, per_leaf(params, 0.0), per_leaf(params, 1.0),
                                     per_leaf(params, False, jnp.bool_),
                                     jnp.zeros((), jnp.int32))
 
@@ -369,9 +388,14 @@ def stable_adamw_clip(
         def leaf_rms(g):
             if not norms.is_float(g):
                 return None
-            v_hat = next(nu).astype(jnp.float32) / correction
-            ratio = jnp.square(g.astype(jnp.float32)) / jnp.maximum(v_hat, eps ** 2)
-            return jnp.sqrt(jnp.mean(ratio)) if g.size else jnp.zeros((), jnp.float32)
+            wide = norms.acc_dtype(g.dtype)
+            # g / max(sqrt(nu_hat), eps), then a scale-safe root mean square: no square of a
+            # gradient or of the ratio is formed, and the root has a finite derivative at 0.
+            root_v = _sqrt_nu(next(nu), g) / jnp.sqrt(correction).astype(wide)
+            ratio = g.astype(wide) / jnp.maximum(root_v, jnp.asarray(eps, wide))
+            if not g.size:
+                return jnp.zeros((), wide)
+            return norms.root_sum_squares(ratio) / jnp.sqrt(jnp.asarray(g.size, wide))
 
         rms = jax.tree.map(leaf_rms, updates)
         scale = jax.tree.map(lambda r: 1 / jnp.maximum(1.0, r), rms)
@@ -380,10 +404,10 @@ def stable_adamw_clip(
                                  for u, s in zip(out_leaves, scale_leaves)])
         finite = stats_lib.all_finite(updates)
         keep = stats_lib.keep_finite
-        return out, StableAdamWClipState(
+        return _passthrough(out, updates), StableAdamWClipState(
             inner=stats_lib.keep_if(finite, new_inner, state.inner),
             rms=jax.tree.map(keep, rms, state.rms), scale=jax.tree.map(keep, scale, state.scale),
             clipped=jax.tree.map(lambda s: s < 1, scale),
             nonfinite=stats_lib.count_nonfinite(state.nonfinite, finite))
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn, extra_args=True)

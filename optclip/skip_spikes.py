@@ -34,7 +34,7 @@ _MAD_TO_STD = 1.4826
 
 class ZScoreStats(NamedTuple):
     mean: jax.Array   # exponentially weighted mean of the accepted values
-    var: jax.Array    # exponentially weighted variance of the accepted values
+    std: jax.Array    # square root of the exponentially weighted variance of the accepted values
 
 
 class WindowStats(NamedTuple):
@@ -67,7 +67,7 @@ def _zscore_detector(alpha: float, eps: float):
 
     def score(stats, value, accepted):
         del accepted
-        return (value - stats.mean) / (jnp.sqrt(stats.var) + eps)
+        return (value - stats.mean) / (stats.std + eps)
 
     def update(stats, value, accepted):
         # Running mean and variance while fewer than 1 / (1 - alpha) values were seen (no
@@ -75,8 +75,14 @@ def _zscore_detector(alpha: float, eps: float):
         weight = jnp.maximum(1.0 / (accepted + 1).astype(value.dtype), 1 - alpha)
         delta = value - stats.mean
         mean = stats.mean + weight * delta
-        var = (1 - weight) * (stats.var + weight * delta ** 2)
-        return ZScoreStats(mean.astype(stats.mean.dtype), var.astype(stats.var.dtype))
+        # var <- (1 - w) (var + w delta^2), kept as its root and computed relative to the larger
+        # of std and |delta|: norms near the dtype's range (whose squares overflow) give the
+        # same scores as small ones.
+        top = jnp.maximum(stats.std, jnp.abs(delta))
+        top = jnp.where((top > 0) & jnp.isfinite(top), top, jnp.ones_like(top))
+        std = top * norms.safe_sqrt((1 - weight) * (jnp.square(stats.std / top)
+                                                    + weight * jnp.square(delta / top)))
+        return ZScoreStats(mean.astype(stats.mean.dtype), std.astype(stats.std.dtype))
 
     return init, score, update
 
@@ -189,15 +195,15 @@ def skip_spikes(
     loss_threshold = threshold if loss_threshold is None else loss_threshold
 
     def init_fn(params):
-        dtype = norms.stat_dtype()
+        dtype = norms.stat_dtype(params)
         zero = jnp.zeros((), dtype)
         count = jnp.zeros((), jnp.int32)
-        return SkipSpikesState(
+        return stats_lib.own_buffers(SkipSpikesState(
             inner=inner.init(params), step=count, accepted=count,
             norm_stats=stats_init(dtype), loss_stats=stats_init(dtype),
             skipped=jnp.zeros((), bool), consecutive=count, total_skipped=count,
             score=zero, threshold=zero, norm=zero, loss_score=zero, forced=count,
-            nonfinite=count)
+            nonfinite=count))
 
     def judge(stats, value, thresh, ready, accepted):
         score = jnp.where(ready, score_fn(stats, value, accepted), 0).astype(value.dtype)
@@ -247,7 +253,9 @@ def skip_spikes(
             loss_score=stats_lib.keep_finite(loss_score, state.loss_score),
             forced=state.forced + forced.astype(jnp.int32),
             nonfinite=stats_lib.count_nonfinite(state.nonfinite, finite))
-        out = jax.tree.map(lambda u: jnp.where(skip, jnp.zeros_like(u), u), out)
+        # Integer leaves pass through unchanged, as in every optclip transform.
+        out = jax.tree.map(lambda o, u: jnp.where(skip, jnp.zeros_like(o), o)
+                           if norms.is_float(u) else u, out, updates)
         return out, new_state
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn, extra_args=True)

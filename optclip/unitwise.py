@@ -208,4 +208,4 @@ def adaptive_grad_clip(
             stats_lib.keep_finite(clipped, state.clipped),
             stats_lib.count_nonfinite(state.nonfinite, finite))
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn)

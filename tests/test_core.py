@@ -231,3 +231,24 @@ def test_power_of_two_helpers_match_numpy(dtype):
         expected = np.ldexp(d, k.astype(np.int32))
     normal = np.abs(expected) >= info.tiny          # XLA on CPU flushes subnormal results
     np.testing.assert_array_equal(np.asarray(got_l)[normal], expected[normal])
+
+
+def test_transformation_with_extra_args_forwards_them_and_keeps_the_tree_contract():
+    seen = {}
+
+    def update_fn(updates, state, params=None, **extra):
+        seen.update(extra)
+        return updates, state
+
+    tx = checks.transformation(lambda p: {"n": jax.tree.map(jnp.zeros_like, p)}, update_fn,
+                               extra_args=True)
+    assert isinstance(tx, optax.GradientTransformationExtraArgs)
+    chained = optax.chain(tx, optax.sgd(1.0))
+    params = {"w": jnp.ones(2), "t": 1.5}
+    out, _ = chained.update(params, chained.init(params), params, loss=jnp.float32(3.0))
+    assert float(seen["loss"]) == 3.0
+    assert out["t"].shape == ()                   # the Python float arrived as a 0-d array
+    with pytest.raises(ValueError, match=r"\bw\b"):
+        tx.update({"w": jnp.ones(3), "t": 1.5}, tx.init(params), loss=1.0)
+    assert not isinstance(checks.transformation(lambda p: (), update_fn),
+                          optax.GradientTransformationExtraArgs)

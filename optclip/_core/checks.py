@@ -154,13 +154,17 @@ def arrays(tree: Any) -> Any:
     return jax.tree.map(lambda x: jnp.asarray(x) if isinstance(x, float) else x, tree)
 
 
-def transformation(init_fn: Callable[[Any], Any], update_fn: Callable[..., Any]
-                   ) -> optax.GradientTransformation:
+def transformation(init_fn: Callable[[Any], Any], update_fn: Callable[..., Any], *,
+                   extra_args: bool = False) -> optax.GradientTransformation:
     """The ``optax.GradientTransformation`` of ``init_fn``/``update_fn``, with the tree contract.
 
     Every transform is built here, so all of them: see Python-float leaves as 0-d arrays
     (:func:`arrays`), and refuse an ``update`` on a tree that does not match the one ``init``
     was given (:func:`matches_init`, a trace-time check naming the leaf).
+
+    With ``extra_args=True`` the result is an ``optax.GradientTransformationExtraArgs`` whose
+    ``update(updates, state, params=None, **extra_args)`` forwards the keyword arguments to
+    ``update_fn`` unchanged (the wrappers pass them on to the optimizer they wrap).
     """
     # Tree signature -> the state signature init gave it: update then compares without
     # tracing init again (eval_shape is the fallback for a tree init has not seen).
@@ -175,11 +179,13 @@ def transformation(init_fn: Callable[[Any], Any], update_fn: Callable[..., Any]
             pass
         return state
 
-    def update(updates, state, params=None):
+    def update(updates, state, params=None, **extra):
         updates = arrays(updates)
         matches_init(init_fn, updates, state, built)
-        return update_fn(updates, state, None if params is None else arrays(params))
+        return update_fn(updates, state, None if params is None else arrays(params), **extra)
 
+    if extra_args:
+        return optax.GradientTransformationExtraArgs(init, update)
     return optax.GradientTransformation(init, update)
 
 

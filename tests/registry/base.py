@@ -62,6 +62,12 @@ class Entry:
     ord_kwargs: keyword arguments that build the transform when it takes an ``ord`` (the suite
       adds each ``ord``); ``None`` when it has none.
     bound: a property every output must have (the clipping bound holding), ``out -> bool``.
+    scale_make: builds the transform for the scale-safety check when ``make`` wraps an optax
+      optimizer whose own arithmetic is not scale-safe (``optax.adam`` squares gradients in the
+      parameters' dtype: its ``nu`` overflows at float32 elements of 1e20 or float16 ones of
+      6e4, and its ``eps=1e-8`` is 0 in float16): the same wrapper around an adam that sees
+      bounded gradients, so the wrapper's own statistics still meet the huge ones. ``None``:
+      ``make``.
     """
 
     name: str
@@ -76,6 +82,7 @@ class Entry:
     thresholds: dict[str, dict] = dataclasses.field(default_factory=dict)
     ord_kwargs: dict | None = None
     bound: Callable[[Any], bool] | None = None
+    scale_make: Callable[[], optax.GradientTransformation] | None = None
 
     def __str__(self) -> str:
         return self.name

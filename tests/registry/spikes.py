@@ -7,10 +7,19 @@ from tests.registry.base import Entry
 
 _ADAM = optax.adam(1e-2)
 
+
+def _bounded_adam(adam=optax.adam):
+    """An adam whose own arithmetic stays in range for the scale-safety check (Entry.scale_make):
+    its gradients are clipped to a global norm of 100 (squares below float16's largest value)
+    and its eps is representable in float16."""
+    return optax.chain(optclip.clip_by_global_norm(100.0), adam(1e-2, eps=1e-3))
+
+
 ENTRIES = [
     Entry("skip_spikes",
           # A warm-up short enough that the 3 conformance steps reach the detector.
           lambda: optclip.skip_spikes(optax.adam(1e-2), warmup_steps=2),
+          scale_make=lambda: optclip.skip_spikes(_bounded_adam(), warmup_steps=2),
           bad_args=(({"inner": abs}, "inner"),
                     ({"inner": _ADAM, "detector": "median"}, "detector"),
                     ({"inner": _ADAM, "threshold": -1.0}, "threshold"),
@@ -24,14 +33,17 @@ ENTRIES = [
                     ({"eps": -1.0}, "eps"))),
     Entry("spam_clip", lambda: optclip.spam_clip(optax.adam(1e-2), clip_after=2,
                                                  reset_interval=3),
+          scale_make=lambda: optclip.spam_clip(_bounded_adam(), clip_after=2, reset_interval=3),
           bad_args=(({"inner": None}, "inner"), ({"inner": _ADAM, "threshold": 0.0}, "threshold"),
                     ({"inner": _ADAM, "clip_after": -1}, "clip_after"),
                     ({"inner": _ADAM, "reset_interval": 0}, "reset_interval"))),
     Entry("adamw_clip", lambda: optclip.adamw_clip(optax.adamw(1e-2), sigmas=1.0),
+          scale_make=lambda: optclip.adamw_clip(_bounded_adam(optax.adamw), sigmas=1.0),
           bad_args=(({"inner": None}, "inner"), ({"inner": _ADAM, "sigmas": 0.0}, "sigmas"),
                     ({"inner": _ADAM, "b2": 1.0}, "b2"),
                     ({"inner": _ADAM, "warmup_steps": -1}, "warmup_steps"))),
     Entry("stable_adamw_clip", lambda: optclip.stable_adamw_clip(optax.adam(1e-2)),
+          scale_make=lambda: optclip.stable_adamw_clip(_bounded_adam()),
           bad_args=(({"inner": None}, "inner"), ({"inner": _ADAM, "b2": -0.1}, "b2"),
                     ({"inner": _ADAM, "eps": -1.0}, "eps"))),
 ]
