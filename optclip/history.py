@@ -243,11 +243,13 @@ class Criterion:
 
 class EMACriterionState(NamedTuple):
     mean: jax.Array       # EMA of the norm (0 = no information yet)
+    step: jax.Array       # int32 updates since the warm-up (the clock of a threshold schedule)
 
 
 class ZScoreCriterionState(NamedTuple):
     mean: jax.Array       # EMA of the norm (0 = no information yet)
     var: jax.Array        # EMA of the squared deviation; starts at 1.0
+    step: jax.Array       # int32 updates since the warm-up (the clock of a threshold schedule)
 
 
 def _check_clip_fn(clip_fn: Any) -> None:
@@ -272,7 +274,8 @@ def ema_criterion(
 
     Args:
       alpha: EMA decay, the weight of the old value, in ``[0, 1]``.
-      r_thresh: ratio threshold, ``> 0``.
+      r_thresh: ratio threshold, ``> 0``, or an optax schedule ``count -> value`` (``count``:
+        the criterion's updates since the warm-up ended, ``state.step``).
       clip_fn: ``(ratio, r_thresh) -> new ratio``; one of :func:`max_clipping`,
         :func:`mean_clipping`, :func:`reciprocal_clipping` or your own traceable function.
       parity: ``"fixed"`` (default) or ``"reference"``. ``"fixed"`` clips to the mean with
@@ -295,7 +298,7 @@ def ema_criterion(
       (True, 2.1)
     """
     checks.in_range("alpha", alpha, 0.0, 1.0)
-    checks.positive("r_thresh", r_thresh)
+    checks.positive("r_thresh", r_thresh, allow_schedule=True)
     _check_clip_fn(clip_fn)
     _check_parity(parity)
     fixed = parity == "fixed"
@@ -303,28 +306,32 @@ def ema_criterion(
     to_mean = fixed and clip_fn is mean_clipping
 
     def init(dtype) -> EMACriterionState:
-        return EMACriterionState(jnp.zeros((), dtype))
+        return EMACriterionState(jnp.zeros((), dtype), jnp.zeros((), jnp.int32))
 
     def set_statistics(state, mean, variance):
         del variance
-        return EMACriterionState(jnp.asarray(mean, state.mean.dtype))
+        return state._replace(mean=jnp.asarray(mean, state.mean.dtype))
 
     def ratio(mean, norm):
         return norm / jnp.where(mean != 0, mean, 1)
 
+    def threshold(state):
+        return checks.resolve(r_thresh, state.step, state.mean.dtype)
+
     def should_clip(state, norm):
-        return (state.mean != 0) & (ratio(state.mean, norm) > r_thresh)
+        return (state.mean != 0) & (ratio(state.mean, norm) > threshold(state))
 
     def clip_value(state, norm):
         mean = state.mean
-        factor = jnp.ones_like(mean) if to_mean else clip_fn(ratio(mean, norm), r_thresh)
+        factor = (jnp.ones_like(mean) if to_mean
+                  else clip_fn(ratio(mean, norm), threshold(state)))
         return jnp.where(mean != 0, mean * factor, norm)
 
     def update(state, value):
         mean = alpha * state.mean + (1 - alpha) * value
         if fixed:  # an EMA started at 0 without bias correction; start at `value`.
             mean = jnp.where(state.mean != 0, mean, value)
-        return EMACriterionState(mean.astype(state.mean.dtype))
+        return EMACriterionState(mean.astype(state.mean.dtype), optax.safe_increment(state.step))
 
     return Criterion(init, set_statistics, should_clip, clip_value, update, "ema")
 
@@ -347,7 +354,8 @@ def zscore_criterion(
 
     Args:
       alpha: EMA decay, the weight of the old value, in ``[0, 1]``.
-      z_thresh: z-score threshold, ``> 0``.
+      z_thresh: z-score threshold, ``> 0``, or an optax schedule ``count -> value``
+        (``count``: the criterion's updates since the warm-up ended, ``state.step``).
       clip_fn: ``(|z|, z_thresh) -> new z-score``; :func:`reciprocal_clipping` (default),
         :func:`max_clipping`, :func:`mean_clipping` or your own traceable function.
 
@@ -366,33 +374,39 @@ def zscore_criterion(
       (True, 1.125)
     """
     checks.in_range("alpha", alpha, 0.0, 1.0)
-    checks.positive("z_thresh", z_thresh)
+    checks.positive("z_thresh", z_thresh, allow_schedule=True)
     _check_clip_fn(clip_fn)
 
     def init(dtype) -> ZScoreCriterionState:
-        return ZScoreCriterionState(jnp.zeros((), dtype), jnp.ones((), dtype))
+        return ZScoreCriterionState(jnp.zeros((), dtype), jnp.ones((), dtype),
+                                    jnp.zeros((), jnp.int32))
 
     def set_statistics(state, mean, variance):
         variance = jnp.asarray(variance, state.var.dtype)
         # drytorch keeps the old variance unless the new one is > 0 (NaN fails too).
-        return ZScoreCriterionState(jnp.asarray(mean, state.mean.dtype),
-                                    jnp.where(variance > 0, variance, state.var))
+        return state._replace(mean=jnp.asarray(mean, state.mean.dtype),
+                              var=jnp.where(variance > 0, variance, state.var))
 
     def abs_z(state, norm):
         return jnp.abs((norm - state.mean) / (jnp.sqrt(state.var) + _ZSTAT_EPS))
 
+    def threshold(state):
+        return checks.resolve(z_thresh, state.step, state.mean.dtype)
+
     def should_clip(state, norm):
-        return (state.mean != 0) & (abs_z(state, norm) > z_thresh)
+        return (state.mean != 0) & (abs_z(state, norm) > threshold(state))
 
     def clip_value(state, norm):
         z = abs_z(state, norm)
-        clipped = state.mean + clip_fn(z, z_thresh) * jnp.sqrt(state.var)
-        return jnp.where((state.mean != 0) & ~(z <= z_thresh), clipped, norm)
+        limit = threshold(state)
+        clipped = state.mean + clip_fn(z, limit) * jnp.sqrt(state.var)
+        return jnp.where((state.mean != 0) & ~(z <= limit), clipped, norm)
 
     def update(state, value):
         var = _saturate(alpha * state.var + (1 - alpha) * (value - state.mean) ** 2)
         mean = alpha * state.mean + (1 - alpha) * value
-        return ZScoreCriterionState(mean.astype(state.mean.dtype), var.astype(state.var.dtype))
+        return ZScoreCriterionState(mean.astype(state.mean.dtype), var.astype(state.var.dtype),
+                                    optax.safe_increment(state.step))
 
     return Criterion(init, set_statistics, should_clip, clip_value, update, "zscore")
 

@@ -983,3 +983,31 @@ def test_zclip_logs_its_threshold_and_counts_every_call(cap):
     first = [s["zclip/threshold"] for s in logged[:3]]
     np.testing.assert_allclose(first, [1.0, 1.2, 0.8] if cap is None else [cap] * 3,
                                rtol=1e-6)  # the warm-up: no limit, or the cap
+
+
+@pytest.mark.parametrize("make", [
+    lambda t: optclip.zscore_criterion(z_thresh=t), lambda t: optclip.ema_criterion(r_thresh=t),
+], ids=["zscore", "ema"])
+def test_criterion_thresholds_take_schedules(make):
+    """A constant schedule gives what the float gives; the clock is the criterion's ``step``
+    (updates since the warm-up), so a schedule that rises after two updates stops clipping."""
+    norms = [1.0, 1.2, 0.9, 1.1, 6.0, 1.0, 7.0]
+    grads = [{"w": jnp.array([0.6, 0.8]) * n} for n in norms]
+
+    def run(threshold):
+        tx = optclip.hist_clip(make(threshold), warmup_steps=3)
+        state = tx.init({"w": jnp.zeros(2)})
+        update, outs = jax.jit(tx.update), []
+        for g in grads:
+            out, state = update(g, state)
+            outs.append(float(optax.tree.norm(out)))
+        return outs, state
+
+    fixed, state = run(2.5)
+    scheduled, _ = run(optax.constant_schedule(2.5))
+    np.testing.assert_allclose(scheduled, fixed, rtol=1e-6)
+    assert fixed[4] < 6.0 and fixed[6] < 7.0            # both spikes clipped at 2.5
+    assert int(state.criterion.step) == len(norms) - 3   # the clock: updates after the warm-up
+    late, _ = run(lambda step: jnp.where(step < 2, 2.5, 1e6))
+    np.testing.assert_allclose(late[:5], fixed[:5], rtol=1e-6)
+    np.testing.assert_allclose(late[6], 7.0, rtol=1e-6)  # the raised threshold: not clipped
