@@ -486,10 +486,17 @@ def main(argv=None):
         results["global_norm"] = global_norm_comparison(params, grads, args.rounds, args.steps)
         print_global(results["global_norm"])
     adam = None if args.skip_step else Stepper(optax.adam(1e-3), params, grads)
-    for name in names:
+    for done, name in enumerate(names):
         start = time.perf_counter()
         row = measure_transform(name, CASES[name], args, params, grads, adam)
         results["transforms"].append(row)
+        # Written after every row: a run that is stopped (time, memory) keeps what it measured
+        # (``--render`` turns it into the page, marked partial).
+        if done + 1 < len(names):
+            unfinished = {**results, "config": {**results["config"], "partial": " ".join(
+                partial + [f"Stopped after {done + 1} of {len(names)} transforms."])}}
+            with open(args.json, "w") as f:
+                json.dump(unfinished, f, indent=1)
         compile_part = " ".join(f"@{n} {r:.2f}" for n, r in row["compile"].items())
         print(f"{name:20s} compile {compile_part}  step {_fmt(row.get('step_ratio'))}"
               f" (floor {row['floor']:.2f})  state {row['state_bytes_per_param_byte']:.2f}"
