@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given
 
 import optclip
+from tests.helpers import nnx_pure
 
 LR, B1, B2, EPS = 1e-2, 0.9, 0.999, 1e-8
 N_STEPS = 12
@@ -212,18 +213,18 @@ def test_nnx_optimizer():
     reference = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optclip.stable_adamw_clip(optax.adamw(LR)), wrt=nnx.Param)
     tx = optclip.stable_adamw_clip(optax.adamw(LR))
-    params = nnx.as_pure(nnx.state(reference, nnx.Param))
+    params = nnx_pure(nnx.state(reference, nnx.Param))
     state = tx.init(params)
     x = jnp.arange(12.0).reshape(4, 3)
     loss_fn = lambda m: jnp.mean(m(x) ** 2)  # noqa: E731
     for _ in range(3):
         grads = nnx.grad(loss_fn)(model)
         optimizer.update(model, grads)
-        pure_grads = nnx.as_pure(nnx.state(grads, nnx.Param))
+        pure_grads = nnx_pure(nnx.state(grads, nnx.Param))
         updates, state = tx.update(pure_grads, state, params)
         params = optax.apply_updates(params, updates)
-    chex.assert_trees_all_close(nnx.as_pure(nnx.state(model, nnx.Param)), params, rtol=1e-6)
-    assert "stable_adamw_clip/rms_max" in optclip.stats(nnx.as_pure(optimizer.opt_state))
+    chex.assert_trees_all_close(nnx_pure(nnx.state(model, nnx.Param)), params, rtol=1e-6)
+    assert "stable_adamw_clip/rms_max" in optclip.stats(nnx_pure(optimizer.opt_state))
 
 
 def test_nonfinite_gradients_leave_the_adam_state_unchanged():

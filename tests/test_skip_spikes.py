@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given
 
 import optclip
+from tests.helpers import nnx_pure
 
 LR = 1e-2
 SPIKE_STEP = 7          # 0-based index of the corrupted batch
@@ -220,9 +221,9 @@ def test_nnx_optimizer_passes_loss_through():
         grads = nnx.grad(loss_fn)(model)
         before = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
         optimizer.update(model, grads, loss=jnp.float32(loss_value))
-    logged = optclip.stats(nnx.as_pure(optimizer.opt_state))
+    logged = optclip.stats(nnx_pure(optimizer.opt_state))
     assert bool(logged["skip_spikes/skipped"]) and int(logged["skip_spikes/total_skipped"]) == 1
-    _bitwise_equal(nnx.as_pure(nnx.state(model, nnx.Param)), nnx.as_pure(before))
+    _bitwise_equal(nnx_pure(nnx.state(model, nnx.Param)), nnx_pure(before))
 
 
 @given(st.lists(st.floats(0.1, 1e4), min_size=6, max_size=12))
