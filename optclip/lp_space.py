@@ -493,8 +493,8 @@ def l1_normalize(param_ndim: int | None = -1, eps: float = TINY, grad_scale: flo
     Returns:
       An ``optax.GradientTransformation`` whose state logs each slice's L1 ``norm`` before
       normalizing and a ``nonfinite`` step count. A leaf of lower rank than ``|param_ndim|``
-      (a 0-d temperature, a 1-D leaf with ``param_ndim=2``) is one slice; rai_toolbox raises
-      there (spec §6 D12, D13).
+      (a 0-d temperature, a 1-D leaf with ``param_ndim=2``) is one slice; rai_toolbox 0.2.1
+      raises an error there.
 
     References:
       rai_toolbox ``L1NormedGradientOptim``. The norm is accumulated in

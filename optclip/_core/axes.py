@@ -117,7 +117,7 @@ def param_ndim_to_axes(param_ndim: int | None, ndim: int) -> tuple[int, ...]:
         return tuple(range(ndim))
     if abs(param_ndim) > ndim:
         # A leaf of lower rank than |param_ndim| (a learned temperature, a bias) is one slice:
-        # rai_toolbox raises here (spec/lp_space.md §6 D12, D13).
+        # rai_toolbox 0.2.1 raises an error for it instead.
         return tuple(range(ndim))
     kept = param_ndim if param_ndim >= 0 else ndim + param_ndim
     return tuple(range(ndim - kept, ndim))
