@@ -127,16 +127,6 @@ def keep_if(ok: jax.Array, new: Any, old: Any) -> Any:
     return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
-def zeros_like_shapes(shapes: Any) -> Any:
-    """Zeros for a tree of ``jax.ShapeDtypeStruct`` (``jax.eval_shape`` of a diagnostic).
-
-    The zeros carry the sharding ``eval_shape`` reports (under an explicit-axes mesh), so the
-    state ``init`` builds has the sharding type that ``update`` produces.
-    """
-    return jax.tree.map(
-        lambda s: jnp.zeros(s.shape, s.dtype, out_sharding=getattr(s, "sharding", None)), shapes)
-
-
 def _zero_from(x: jax.Array) -> jax.Array:
     """``+0`` everywhere, computed from ``x`` so that it is sharded like ``x``.
 
