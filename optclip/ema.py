@@ -103,12 +103,6 @@ def lerp(start: jax.Array, end: jax.Array, beta: Any) -> jax.Array:
                      end - (end - start) * (1 - weight))
 
 
-def commit_step(ok: jax.Array, new: Any, old: Any) -> Any:
-    """The new state if the step was finite (``ok``), else the old one with ``nonfinite + 1``."""
-    return stats_lib.keep_if(ok, new, old)._replace(
-        nonfinite=old.nonfinite + (~ok).astype(jnp.int32))
-
-
 def _double_tiny(dtype) -> jax.Array:
     # torchzero's fixed divisor floor: twice the smallest normal number.
     return jnp.asarray(2 * jnp.finfo(dtype).tiny, dtype)
@@ -238,7 +232,7 @@ def _norm_by_ema(normalize, beta, ord, eps, tensorwise, max_ema_growth, ema_init
         ok = stats_lib.all_finite((updates, norm, ema_norm), axis_name)
         new = state_cls(optax.safe_increment(state.count), treedef.unflatten(ema), ema_norm,
                         norm, divisor, clipped, capped, state.nonfinite)
-        return new_updates, commit_step(ok, new, state)
+        return new_updates, stats_lib.commit(ok, new, state)
 
     return checks.transformation(init_fn, update_fn)
 
@@ -454,6 +448,6 @@ def clip_value_by_ema(
         new = ClipValueByEMAState(optax.safe_increment(state.count), ema_tree, transform_state,
                                   treedef.unflatten(measured), treedef.unflatten(clipped),
                                   state.nonfinite)
-        return treedef.unflatten(outputs), commit_step(ok, new, state)
+        return treedef.unflatten(outputs), stats_lib.commit(ok, new, state)
 
     return checks.transformation(init_fn, update_fn)

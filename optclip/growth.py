@@ -20,7 +20,6 @@ import optax
 from optclip._core import checks, norms
 from optclip._core import stats as stats_lib
 from optclip._core.norms import AxisName, Ord
-from optclip.ema import commit_step
 
 __all__ = ["ClipNormGrowthGlobalState", "ClipNormGrowthState", "ClipValueGrowthState",
            "clip_norm_growth", "clip_value_growth"]
@@ -187,7 +186,7 @@ def clip_value_growth(
         ok = stats_lib.all_finite((updates, new_prev), axis_name)
         new = ClipValueGrowthState(optax.safe_increment(state.count), new_prev, max_ratio,
                                    clipped, state.nonfinite)
-        return outputs, commit_step(ok, new, state)
+        return outputs, stats_lib.commit(ok, new, state)
 
     return checks.transformation(init_fn, update_fn)
 
@@ -326,6 +325,6 @@ def clip_norm_growth(
         ok = stats_lib.all_finite((updates, norm, prev_norm), axis_name)
         new = state_cls(optax.safe_increment(state.count), prev_norm, norm, divisor, clipped,
                         state.nonfinite)
-        return treedef.unflatten(outputs), commit_step(ok, new, state)
+        return treedef.unflatten(outputs), stats_lib.commit(ok, new, state)
 
     return checks.transformation(init_fn, update_fn)

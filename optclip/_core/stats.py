@@ -165,6 +165,20 @@ def count_nonfinite(nonfinite: jax.Array, finite: jax.Array) -> jax.Array:
     return nonfinite + (~finite).astype(jnp.int32)
 
 
+def commit(finite: jax.Array, new: Any, old: Any) -> Any:
+    """The one state commit after a step: ``new`` if the step was ``finite`` (a scalar bool),
+    else ``old`` as it was, with its ``nonfinite`` counter (when the state has one) counting the
+    skipped step.
+
+    Every stateful transform ends its ``update`` here, so a NaN/Inf step never enters running
+    statistics, and a ``count`` advanced in ``new`` (a schedule's clock) stays where it was.
+    """
+    kept = keep_if(finite, new, old)
+    if hasattr(old, "nonfinite"):
+        kept = kept._replace(nonfinite=count_nonfinite(old.nonfinite, finite))
+    return kept
+
+
 def own_buffers(state: Any) -> Any:
     """``state`` with every array leaf its own object (repeated objects copied).
 
