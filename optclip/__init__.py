@@ -9,6 +9,7 @@ and ``optclip.stats(opt_state)`` returns what a training loop wants to log.
 
 from optclip._core.stats import stats
 from optclip.adagc import adagc
+from optclip.autoclip import quantile_clip, standard_clip
 from optclip.clipping import (
     centralize,
     clip_by_global_norm,
@@ -21,6 +22,13 @@ from optclip.clipping import (
     zscore_normalize,
 )
 from optclip.ema import clip_norm_by_ema, clip_value_by_ema, normalize_by_ema
+from optclip.frank_wolfe import (
+    frank_wolfe,
+    l1_frank_wolfe,
+    l1q_frank_wolfe,
+    l2_frank_wolfe,
+    linf_frank_wolfe,
+)
 from optclip.growth import clip_norm_growth, clip_value_growth
 from optclip.history import (
     ema_criterion,
@@ -28,31 +36,15 @@ from optclip.history import (
     max_clipping,
     mean_clipping,
     param_hist_clip,
-    quantile_clip,
     reciprocal_clipping,
-    standard_clip,
-    zclip,
     zscore_criterion,
 )
-from optclip.lp_space import (
-    clamp,
-    clamp_params,
-    frank_wolfe,
-    l1_frank_wolfe,
-    l1_normalize,
-    l1q_frank_wolfe,
-    l1q_normalize,
-    l2_frank_wolfe,
-    l2_normalize,
-    linf_frank_wolfe,
-    project_l2_ball,
-    project_linf_ball,
-    sign,
-    top_q,
-)
+from optclip.lp_space import clamp, l1_normalize, l1q_normalize, l2_normalize, sign, top_q
 from optclip.moment_clip import adamw_clip, spam_clip, stable_adamw_clip
+from optclip.projections import clamp_params, project_l2_ball, project_linf_ball
 from optclip.skip_spikes import skip_spikes
 from optclip.unitwise import adaptive_grad_clip, flax_unit_axes
+from optclip.zclip import zclip
 
 __version__ = "0.1.0"
 
@@ -75,32 +67,36 @@ __all__ = [
     # growth.py
     "clip_norm_growth",
     "clip_value_growth",
-    # history.py
+    # history.py (drytorch)
     "ema_criterion",
     "hist_clip",
     "max_clipping",
     "mean_clipping",
     "param_hist_clip",
-    "quantile_clip",
     "reciprocal_clipping",
-    "standard_clip",
-    "zclip",
     "zscore_criterion",
-    # lp_space.py
+    # zclip.py
+    "zclip",
+    # autoclip.py
+    "quantile_clip",
+    "standard_clip",
+    # lp_space.py (pre-step)
     "clamp",
-    "clamp_params",
-    "frank_wolfe",
-    "l1_frank_wolfe",
     "l1_normalize",
-    "l1q_frank_wolfe",
     "l1q_normalize",
-    "l2_frank_wolfe",
     "l2_normalize",
-    "linf_frank_wolfe",
-    "project_l2_ball",
-    "project_linf_ball",
     "sign",
     "top_q",
+    # projections.py
+    "clamp_params",
+    "project_l2_ball",
+    "project_linf_ball",
+    # frank_wolfe.py
+    "frank_wolfe",
+    "l1_frank_wolfe",
+    "l1q_frank_wolfe",
+    "l2_frank_wolfe",
+    "linf_frank_wolfe",
     # spike protection: skip_spikes.py, adagc.py, moment_clip.py
     "adagc",
     "adamw_clip",

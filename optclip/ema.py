@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optclip._core import checks, norms
+from optclip._core import checks, norms, running
 from optclip._core import stats as stats_lib
 from optclip._core.norms import AxisName, Ord
 
@@ -86,21 +86,12 @@ def _check_ema_args(beta, ema_init) -> None:
     checks.one_of("ema_init", ema_init, EMA_INITS)
 
 
-def lerp(start: jax.Array, end: jax.Array, beta: Any) -> jax.Array:
-    """``start + (1 - beta) (end - start)`` as ``torch.lerp`` computes it on CPU.
-
-    torch switches formulas at weight 0.5 (``end - (end - start) (1 - w)`` above it); doing
-    the same keeps results within an ulp of the reference.
-    """
-    dtype = start.dtype
+def _ema_weight(beta: Any, dtype) -> Any:
+    """The weight ``1 - beta`` of the new value: formed in double for a Python ``beta``, in
+    the statistics dtype for a traced one (``inject_hyperparams``)."""
     if isinstance(beta, numbers.Real):
-        weight = jnp.asarray(1.0 - float(beta), dtype)   # formed in double, then cast
-        if 1.0 - float(beta) < 0.5:
-            return start + weight * (end - start)
-        return end - (end - start) * (1 - weight)
-    weight = 1 - jnp.asarray(beta).astype(dtype)         # traced (inject_hyperparams)
-    return jnp.where(weight < 0.5, start + weight * (end - start),
-                     end - (end - start) * (1 - weight))
+        return 1.0 - float(beta)
+    return 1 - jnp.asarray(beta).astype(dtype)
 
 
 def _double_tiny(dtype) -> jax.Array:
@@ -195,7 +186,7 @@ def _norm_by_ema(normalize, beta, ord, eps, tensorwise, max_ema_growth, ema_init
                 continue
             x = x.astype(e.dtype)
             start = jnp.where(first, x if ema_init == "update" else jnp.zeros_like(x), e)
-            ema.append(lerp(start, x, beta))
+            ema.append(running.lerp(start, x, _ema_weight(beta, start.dtype)))
 
         if tensorwise:
             old_r = treedef.flatten_up_to(state.ema_norm)
@@ -426,7 +417,7 @@ def clip_value_by_ema(
                 continue
             magnitude = jnp.abs(x.astype(e.dtype))
             start = jnp.where(first, magnitude if ema_init == "update" else jnp.zeros_like(e), e)
-            ema.append(lerp(start, magnitude, beta))
+            ema.append(running.lerp(start, magnitude, _ema_weight(beta, start.dtype)))
         ema_tree = treedef.unflatten(ema)
         bound, transform_state = transform.update(ema_tree, state.ema_transform_state, params)
         bounds = treedef.flatten_up_to(bound)

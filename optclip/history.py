@@ -1,10 +1,9 @@
-"""History-based adaptive clipping: drytorch criteria, ZClip and AutoClip.
+"""drytorch's history-based clipping: criteria, ``hist_clip`` and ``param_hist_clip``.
 
-References: drytorch 0.1.0rc11 ``max_clipping``, ``mean_clipping``,
-``reciprocal_clipping``, ``EMACriterion``, ``ZStatCriterion``, ``HistClipper``,
-``ParamHistClipper``; zclip 1.0.0 ``ZClip`` (arXiv 2504.02507); autoclip 0.2.1
-``QuantileClip``, ``StandardClip``. The JAX formulation uses fixed-size buffers, a
-step counter, masks instead of Python branches, statistics in float32 (float64 under x64).
+References: drytorch 0.1.0rc11 ``max_clipping``, ``mean_clipping``, ``reciprocal_clipping``,
+``EMACriterion``, ``ZStatCriterion``, ``HistClipper``, ``ParamHistClipper``. The JAX formulation
+uses fixed-size buffers, a step counter, masks instead of Python branches, statistics in float32
+(float64 under x64).
 
 Every transform owns its state (drytorch's default ``HistClipper`` instances share one criterion
 object). A non-finite norm never enters a buffer or a statistic, and does not advance the
@@ -13,11 +12,9 @@ follows the formula so that ``optax.apply_if_finite`` can drop it.
 
 Reference defects that change ordinary numbers are fixed behind one keyword, ``parity``:
 ``"fixed"`` (default) is the behaviour a user wants, ``"reference"`` reproduces the reference
-(in :func:`ema_criterion`, :func:`hist_clip`, :func:`zclip` and :func:`standard_clip`).
-Documented reference behaviour that is a design choice rather than a bug
-(raw-norm feedback, the variance prior, the two-sided test, ``clip_factor``, the 1.0
-cap, std-only threshold, torch's ``max_norm / (norm + 1e-6)`` rule) is kept; options
-select the alternatives.
+(in :func:`ema_criterion` and :func:`hist_clip`). Documented reference behaviour that is a
+design choice rather than a bug (raw-norm feedback, the variance prior, ``clip_factor``, torch's
+``max_norm / (norm + 1e-6)`` rule) is kept; options select the alternatives.
 """
 
 from __future__ import annotations
@@ -30,91 +27,28 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optclip._core import checks, norms
+from optclip._core import checks, norms, running
 from optclip._core import stats as stats_lib
 
 __all__ = [
-    "Criterion", "EMACriterionState", "HistClipState", "ParamHistClipState",
-    "QuantileClipState", "StandardClipState", "ZClipState", "ZScoreCriterionState",
-    "ema_criterion", "hist_clip", "max_clipping", "mean_clipping", "param_hist_clip",
-    "quantile_clip", "reciprocal_clipping", "standard_clip", "zclip", "zscore_criterion",
+    "Criterion",
+    "EMACriterionState",
+    "HistClipState",
+    "ParamHistClipState",
+    "ZScoreCriterionState",
+    "ema_criterion",
+    "hist_clip",
+    "max_clipping",
+    "mean_clipping",
+    "param_hist_clip",
+    "reciprocal_clipping",
+    "zscore_criterion",
 ]
 
-Parity = Literal["fixed", "reference"]
-_PARITY = ("fixed", "reference")
-# torch.nn.utils.clip_grad_norm_ divides by ``norm + 1e-6``, and so does
-# ZClip's own rule.
-_TORCH_EPS = 1e-6
+
 # drytorch ZStatCriterion's eps in the z-score denominator.
 _ZSTAT_EPS = 1e-8
 
-
-def _torch_clip_factor(max_norm: jax.Array, norm: jax.Array) -> jax.Array:
-    """torch's ``clip_grad_norm_`` factor ``min(1, max_norm / (norm + 1e-6))``.
-
-    Exactly 1 when ``norm + 1e-6 <= max_norm`` (so "no clipping" leaves values bit-identical);
-    a norm equal to ``max_norm`` is still shrunk by ``max_norm / (max_norm + 1e-6)``.
-    """
-    # No threshold (inf) gives 1; the finite stand-in keeps the derivative finite (inf * 0).
-    unbounded = jnp.isinf(max_norm)
-    bound = jnp.where(unbounded, jnp.ones_like(max_norm), max_norm)
-    return jnp.where(unbounded, 1, jnp.minimum(bound / (norm + _TORCH_EPS), 1))
-
-
-def _check_parity(parity: Any) -> None:
-    checks.one_of("parity", parity, _PARITY)
-
-
-def _where_tree(mask: jax.Array, new: Any, old: Any) -> Any:
-    return jax.tree.map(lambda a, b: jnp.where(mask, a, b), new, old)
-
-
-def _float_leaves(tree: Any) -> list[jax.Array]:
-    return [x for x in jax.tree.leaves(tree) if norms.is_float(x)]
-
-
-def _stack(scalars: list[jax.Array], dtype) -> jax.Array:
-    """Per-leaf scalars as one vector (scalars only: leaves are never concatenated)."""
-    if not scalars:
-        return jnp.zeros((0,), dtype)
-    return norms.gather_scalars([s.astype(dtype) for s in scalars])
-
-
-def _per_leaf_tree(tree: Any, vector: jax.Array) -> Any:
-    """Entry ``j`` of ``vector`` at the position of the ``j``-th float leaf of ``tree``."""
-    leaves, treedef = jax.tree.flatten(tree)
-    out, j = [], 0
-    vector = norms.computed_once(vector)
-    for x in leaves:
-        if norms.is_float(x):
-            out.append(vector[j])
-            j += 1
-        else:
-            out.append(None)
-    return treedef.unflatten(out)
-
-
-def _scale_leaves(tree: Any, factors: jax.Array) -> Any:
-    """Multiply the ``j``-th float leaf by ``factors[j]`` (or all by one scalar factor)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    out, j = [], 0
-    factors = norms.computed_once(factors)
-    for x in leaves:
-        if norms.is_float(x):
-            out.append(norms.scale(x, factors if factors.ndim == 0 else factors[j]))
-            j += 1
-        else:
-            out.append(x)
-    return treedef.unflatten(out)
-
-
-def _count_up(counter: jax.Array, flag: jax.Array) -> jax.Array:
-    return counter + jnp.sum(flag, dtype=jnp.int32)
-
-
-# ---------------------------------------------------------------------------------------------
-# Clipping functions. ``z`` is what the criterion passes in: ``|z-score|`` for
-# :func:`zscore_criterion`, the ratio ``norm / mean`` for :func:`ema_criterion`.
 
 def max_clipping(z: jax.Array, z_thresh: jax.Array | float) -> jax.Array:
     """drytorch's ``max_clipping``: returns ``z_thresh`` whatever ``z`` is.
@@ -193,9 +127,6 @@ def reciprocal_clipping(z: jax.Array, z_thresh: jax.Array | float) -> jax.Array:
     return jnp.asarray(z_thresh) ** 2 / jnp.asarray(z)
 
 
-# ---------------------------------------------------------------------------------------------
-# Criteria.
-
 @dataclasses.dataclass(frozen=True)
 class Criterion:
     """A clipping criterion: pure functions over an array state (drytorch ``ClippingCriterion``).
@@ -262,7 +193,7 @@ def ema_criterion(
     r_thresh: float = 1.05,
     clip_fn: Callable[[jax.Array, Any], jax.Array] = max_clipping,
     *,
-    parity: Parity = "fixed",
+    parity: running.Parity = "fixed",
 ) -> Criterion:
     """drytorch's ``EMACriterion``: clip when the norm exceeds ``r_thresh`` times its EMA.
 
@@ -300,7 +231,7 @@ def ema_criterion(
     checks.in_range("alpha", alpha, 0.0, 1.0)
     checks.positive("r_thresh", r_thresh, allow_schedule=True)
     _check_clip_fn(clip_fn)
-    _check_parity(parity)
+    running.check_parity(parity)
     fixed = parity == "fixed"
     # mean_clipping's 0 is a z-score ("the mean"); as a ratio the mean is 1.
     to_mean = fixed and clip_fn is mean_clipping
@@ -403,16 +334,13 @@ def zscore_criterion(
         return jnp.where((state.mean != 0) & ~(z <= limit), clipped, norm)
 
     def update(state, value):
-        var = _saturate(alpha * state.var + (1 - alpha) * (value - state.mean) ** 2)
+        var = running.saturate(alpha * state.var + (1 - alpha) * (value - state.mean) ** 2)
         mean = alpha * state.mean + (1 - alpha) * value
         return ZScoreCriterionState(mean.astype(state.mean.dtype), var.astype(state.var.dtype),
                                     optax.safe_increment(state.step))
 
     return Criterion(init, set_statistics, should_clip, clip_value, update, "zscore")
 
-
-# ---------------------------------------------------------------------------------------------
-# hist_clip / param_hist_clip (drytorch HistClipper, ParamHistClipper).
 
 _HIST_FIELDS = ("norm", "threshold", "scale", "clipped", "count", "spikes", "nonfinite")
 
@@ -453,7 +381,7 @@ def _warmup_statistics(buffer: jax.Array, steps: int) -> tuple[jax.Array, jax.Ar
     mean = jnp.sum(buffer, axis=-1) / steps
     if steps == 1:
         return mean, jnp.ones_like(mean)
-    return mean, _saturate(jnp.sum((buffer - mean[..., None]) ** 2, axis=-1) / (steps - 1))
+    return mean, running.saturate(jnp.sum((buffer - mean[..., None]) ** 2, axis=-1) / (steps - 1))
 
 
 def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_leaf,
@@ -468,7 +396,7 @@ def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_
             warmup_transform, optax.GradientTransformation):
         raise TypeError("warmup_transform must be an optax.GradientTransformation or None, got "
                         f"{warmup_transform!r}")
-    _check_parity(parity)
+    running.check_parity(parity)
     # drytorch accepts 0 warm-up steps and starts the statistics from 0.
     checks.integer("warmup_steps", warmup_steps, low=1 if parity == "fixed" else 0)
     checks.one_of("feedback", feedback, ("raw", "clip_value"))
@@ -478,22 +406,22 @@ def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_
 
     def measure(updates, dtype):
         if per_leaf:
-            return _stack([norms.leaf_norm(x, 2.0, axis_name) for x in _float_leaves(updates)],
-                          dtype)
+            return running.stack([norms.leaf_norm(x, 2.0, axis_name)
+                                  for x in running.float_leaves(updates)], dtype)
         return norms.global_norm(updates, 2.0, axis_name).astype(dtype)
 
     def diag_tree(updates, values):
-        return _per_leaf_tree(updates, values) if per_leaf else values
+        return running.per_leaf_tree(updates, values) if per_leaf else values
 
     def init_fn(params):
         dtype = norms.stat_dtype(params)
-        batch = (len(_float_leaves(params)),) if per_leaf else ()
+        batch = (len(running.float_leaves(params)),) if per_leaf else ()
         crit_state = jax.tree.map(lambda x: jnp.broadcast_to(x, batch + x.shape),
                                   criterion.init(dtype))
         if warmup_transform is None:
             inner = optax.EmptyState()
         elif per_leaf:
-            inner = tuple(warmup_transform.init(x) for x in _float_leaves(params))
+            inner = tuple(warmup_transform.init(x) for x in running.float_leaves(params))
         else:
             inner = warmup_transform.init(params)
         zeros = jnp.zeros(batch, dtype)
@@ -508,7 +436,7 @@ def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_
     def warmup_output(updates, state, params):
         if per_leaf:
             leaves, treedef = jax.tree.flatten(updates)
-            param_leaves = (_float_leaves(params) if params is not None
+            param_leaves = (running.float_leaves(params) if params is not None
                             else [None] * len(state.warmup_state))
             outs, inner, j = [], [], 0
             for x in leaves:
@@ -536,39 +464,39 @@ def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_
 
         # Call N + 1 installs the warm-up statistics and is judged by the criterion.
         mean, variance = _warmup_statistics(state.warmup_norms, steps)
-        crit = _where_tree(count == steps,
+        crit = stats_lib.keep_if(count == steps,
                            criterion.set_statistics(state.criterion, mean, variance),
                            state.criterion)
         should = criterion.should_clip(crit, norm)
         value = criterion.clip_value(crit, norm)
-        crit_scale = jnp.where(should, _torch_clip_factor(value, norm), 1).astype(dtype)
+        crit_scale = jnp.where(should, running.torch_clip_factor(value, norm), 1).astype(dtype)
         # drytorch feeds the raw norm back; "clip_value" feeds ZClip-style the clip value.
         fed = jnp.where(should, value, norm) if feedback == "clip_value" else norm
-        crit = _where_tree(warm, state.criterion, criterion.update(crit, fed))
+        crit = stats_lib.keep_if(warm, state.criterion, criterion.update(crit, fed))
         threshold = value.astype(dtype)
 
         if warmup_transform is None:  # drytorch GradNormClipper(1): torch's rule at 1.0
-            warm_scale = _torch_clip_factor(jnp.ones((), dtype), norm)
+            warm_scale = running.torch_clip_factor(jnp.ones((), dtype), norm)
             scale = jnp.where(warm, warm_scale, crit_scale)
             threshold = jnp.where(warm, jnp.ones_like(threshold), threshold)
-            new_updates = _scale_leaves(updates, scale)
+            new_updates = running.scale_leaves(updates, scale)
             inner = state.warmup_state
         else:
             warm_updates, inner = warmup_output(updates, state, params)
-            crit_updates = _scale_leaves(updates, crit_scale)
+            crit_updates = running.scale_leaves(updates, crit_scale)
             new_updates = jax.tree.map(
                 lambda w, c: jnp.where(warm, w.astype(c.dtype), c) if norms.is_float(c) else c,
                 warm_updates, crit_updates)
-            inner = _where_tree(warm, inner, state.warmup_state)
+            inner = stats_lib.keep_if(warm, inner, state.warmup_state)
             scale = jnp.where(warm, jnp.ones_like(crit_scale), crit_scale)
             threshold = jnp.where(warm, norm, threshold)
 
         finite = jnp.all(jnp.isfinite(norm))
         clipped = scale < 1
         # A non-finite norm leaves the whole state as it was: only counted.
-        keep = lambda new, old: _where_tree(finite, new, old)
+        keep = lambda new, old: stats_lib.keep_if(finite, new, old)
         last_finite = lambda new, old: stats_lib.keep_finite(
-            new, _stack_diag(old, per_leaf, dtype))
+            new, running.stack_diag(old, per_leaf, dtype))
         return new_updates, state_cls(
             count=keep(jnp.minimum(count + 1, steps + 1), count),
             warmup_norms=keep(buffer, state.warmup_norms),
@@ -585,20 +513,13 @@ def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_
     return checks.transformation(init_fn, update_fn)
 
 
-def _stack_diag(tree: Any, per_leaf: bool, dtype) -> jax.Array:
-    """The inverse of ``_per_leaf_tree`` for a diagnostics tree (``None`` leaves dropped)."""
-    if not per_leaf:
-        return tree
-    return _stack(jax.tree.leaves(tree), dtype)
-
-
 def hist_clip(
     criterion: Criterion | None = None,
     warmup_transform: optax.GradientTransformation | None = None,
     warmup_steps: int = 20,
     *,
     feedback: Literal["raw", "clip_value"] = "raw",
-    parity: Parity = "fixed",
+    parity: running.Parity = "fixed",
     axis_name: norms.AxisName = None,
 ) -> optax.GradientTransformation:
     """drytorch's ``HistClipper``: warm up on a fixed buffer of norms, then let a criterion clip.
@@ -669,7 +590,7 @@ def param_hist_clip(
     warmup_steps: int = 20,
     *,
     feedback: Literal["raw", "clip_value"] = "raw",
-    parity: Parity = "fixed",
+    parity: running.Parity = "fixed",
     axis_name: norms.AxisName = None,
 ) -> optax.GradientTransformation:
     """drytorch's ``ParamHistClipper``: :func:`hist_clip` run independently on every leaf.
@@ -708,462 +629,3 @@ def param_hist_clip(
     """
     return _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, True,
                       axis_name)
-
-
-# ---------------------------------------------------------------------------------------------
-# ZClip (zclip 1.0.0).
-
-@stats_lib.diagnostic("zclip", ("norm", "threshold", "scale", "clipped", "mean", "var",
-                                "count", "spikes", "nonfinite"))
-class ZClipState(NamedTuple):
-    count: jax.Array         # int32 calls with a finite norm (the warm-up lasts while < W)
-    warmup_norms: jax.Array  # (max(warmup_steps, 1),) raw warm-up norms
-    mean: jax.Array          # EMA of the norm (0 until the warm-up ends)
-    var: jax.Array           # EMA of the squared deviation (0 until the warm-up ends)
-    norm: jax.Array          # pre-clip global norm (last finite value)
-    threshold: jax.Array     # norm above which this call clips (the norm itself when no limit)
-    scale: jax.Array         # factor the updates were multiplied by
-    clipped: jax.Array       # bool
-    spikes: jax.Array        # int32 detected spikes
-    nonfinite: jax.Array     # int32 calls with a non-finite norm (state left unchanged)
-    step: jax.Array          # int32 finite calls: the count that threshold schedules see
-
-
-def zclip(
-    alpha: float = 0.97,
-    z_thresh: float = 2.5,
-    max_grad_norm: float | None = 1.0,
-    eps: float = 1e-6,
-    warmup_steps: int = 25,
-    mode: str = "zscore",
-    clip_option: str | None = "adaptive_scaling",
-    clip_factor: float = 1.0,
-    skip_update_on_spike: bool = False,
-    *,
-    parity: Parity = "fixed",
-    axis_name: norms.AxisName = None,
-) -> optax.GradientTransformation:
-    """ZClip: z-score spike detection on the global norm with EMA statistics.
-
-    Warm-up (calls 1..W, ``W = warmup_steps``): the norms are buffered and the updates clipped
-    with torch's rule ``min(1, max_grad_norm / (n + 1e-6))`` (none when ``max_grad_norm`` is
-    ``None``); at the end of call W, ``mean`` and the population ``var`` of the buffer start the
-    EMAs. Then, with ``std = sqrt(var)``:
-
-    * ``mode="zscore"``: ``z = (n - mean) / (std + eps)``; spike iff ``z > z_thresh``; the
-      threshold is ``clip_factor * (mean + z_thresh**2 * std / z)`` (``"adaptive_scaling"``)
-      or ``mean`` (``"mean"``);
-    * ``mode="percentile"``: threshold ``mean + z_thresh * std``; spike iff ``n`` exceeds it.
-
-    ``eff = min(threshold if spike else n, max_grad_norm)``; ``g <- g * eff / (n + 1e-6)`` if
-    ``n > eff``. The EMAs are then fed ``x`` = the (uncapped) threshold on a spike, else ``n``:
-    ``mean <- alpha * mean + (1 - alpha) * x``, ``var <- alpha * var + (1 - alpha) *
-    (x - mean)**2`` (new mean); with ``skip_update_on_spike`` a spike leaves them unchanged.
-
-    Args:
-      alpha: EMA decay, the weight of the old value, in ``[0, 1]``.
-      z_thresh: z-score threshold (std multiplier in percentile mode), ``> 0``. This,
-        ``max_grad_norm`` and ``clip_factor`` also take an optax schedule ``count -> value``,
-        ``count`` being the number of finite calls (``state.step``).
-      max_grad_norm: cap on the threshold after the warm-up and clip norm during it, ``> 0``,
-        or ``None`` for neither. The default 1.0 (zclip 1.0.0's code; its README says ``None``)
-        makes ZClip also a fixed clip at 1.0 on every call.
-      eps: added to the std in the z-score denominator, ``>= 0``.
-      warmup_steps: W, ``>= 2`` (``>= 0`` with ``parity="reference"``, where 0 and 1 both mean
-        1 and start with a variance of 0).
-      mode: ``"zscore"`` or ``"percentile"`` (case-insensitive; "percentile" is a
-        mean + k·std rule, not a percentile).
-      clip_option: ``"adaptive_scaling"`` or ``"mean"`` (case-insensitive); ignored in
-        percentile mode.
-      clip_factor: ``> 0``; multiplies the whole adaptive threshold, mean included, and that
-        scaled value is what the EMA sees (the reference's code; its docstring says only the
-        ``z_thresh * std`` term).
-      skip_update_on_spike: leave the EMAs untouched on a spike.
-      parity: ``"fixed"`` (default) detects spikes only once ``std`` exceeds rounding noise,
-        ``16 eps |mean|`` (with a variance of 0 the reference pins every larger norm to the
-        mean, or to 0 after all-zero warm-up gradients, for good; identical warm-up norms
-        of 0.1 leave a float32 variance of about 1e-16, which counts as 0 here);
-        ``"reference"`` reproduces that and allows ``warmup_steps < 2``. A variance beyond
-        the statistics dtype's range (norms near 1e20 in float32) is kept at its largest
-        finite value.
-      axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) (a name or a tuple) the
-        leaves are split over: the norms are combined across devices with ``psum``, so every
-        device takes the same decision and keeps the same state. Not needed under ``jax.jit``
-        with sharded arrays.
-
-    Returns:
-      An ``optax.GradientTransformation``. Its state logs ``norm`` (pre-clip), ``threshold``
-      (on a spike the norm the update was clipped to, ``eff``; otherwise the norm above which
-      this call would have clipped: ``min(mean + z_thresh * (std + eps), max_grad_norm)``, or
-      ``mean + z_thresh * std`` in percentile mode; during the warm-up, or before ``std > 0``,
-      ``max_grad_norm``, or the norm itself when that is ``None``: no limit), ``scale``,
-      ``clipped``, ``mean``, ``var``, ``count`` (calls with a finite norm, warm-up included),
-      ``spikes`` and ``nonfinite``.
-
-    References:
-      zclip 1.0.0 ``ZClip``; Kumar et al., "ZClip: Adaptive Spike
-      Mitigation for LLM Pre-Training", arXiv 2504.02507. Differences: a non-finite norm is
-      neither buffered nor fed to the EMAs (the reference's statistics become NaN for good);
-      the norm is accumulated in float32 or wider, not in the first parameter's dtype;
-      ``mode`` and ``clip_option`` are validated alike; no host sync. How it differs
-      from drytorch's ``zscore_criterion`` in :func:`hist_clip`: see the history-based
-      clipping guide.
-
-    Example:
-      >>> import jax.numpy as jnp, optax, optclip
-      >>> tx = optclip.zclip(max_grad_norm=None, warmup_steps=3)
-      >>> state = tx.init({"w": jnp.zeros(2)})
-      >>> for g in [[0.3, 0.4], [0.3, 0.5], [0.4, 0.4], [0.3, 0.4], [3.0, 4.0]]:
-      ...     out, state = tx.update({"w": jnp.array(g)}, state)
-      >>> round(float(optax.tree.norm(out)), 3), int(state.spikes)
-      (0.55, 1)
-    """
-    checks.in_range("alpha", alpha, 0.0, 1.0)
-    checks.positive("z_thresh", z_thresh, allow_schedule=True)
-    checks.positive("max_grad_norm", max_grad_norm, allow_none=True, allow_schedule=True)
-    checks.non_negative("eps", eps)
-    checks.positive("clip_factor", clip_factor, allow_schedule=True)
-    checks.boolean("skip_update_on_spike", skip_update_on_spike)
-    _check_parity(parity)
-    norms.check_axis_name(axis_name)
-    fixed = parity == "fixed"
-    checks.integer("warmup_steps", warmup_steps, low=2 if fixed else 0)
-    if not isinstance(mode, str):
-        raise TypeError(f"mode must be a string, got {mode!r}")
-    mode = mode.lower()
-    checks.one_of("mode", mode, ("zscore", "percentile"))
-    if mode == "zscore":
-        if not isinstance(clip_option, str):
-            raise TypeError(f"clip_option must be a string in zscore mode, got {clip_option!r}")
-        clip_option = clip_option.lower()
-        checks.one_of("clip_option", clip_option, ("adaptive_scaling", "mean"))
-    steps = max(warmup_steps, 1)
-
-    def init_fn(params):
-        dtype = norms.stat_dtype(params)
-        zero = jnp.zeros([], dtype)
-        return stats_lib.own_buffers(ZClipState(
-            jnp.zeros([], jnp.int32), jnp.zeros((steps,), dtype), zero, zero, zero, zero,
-            zero + 1, jnp.zeros([], bool), jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32),
-            jnp.zeros([], jnp.int32)))
-
-    def update_fn(updates, state, params=None):
-        del params
-        dtype = state.mean.dtype
-        norm = norms.global_norm(updates, 2.0, axis_name).astype(dtype)
-        count = state.count
-        warm = count < steps
-        cap = None if max_grad_norm is None else checks.resolve(max_grad_norm, state.step, dtype)
-        z_limit = checks.resolve(z_thresh, state.step, dtype)
-        factor = checks.resolve(clip_factor, state.step, dtype)
-
-        # Warm-up: buffer the norm; the call that fills it starts the EMAs with
-        # the buffer's mean and population variance.
-        buffer = jnp.where(warm, state.warmup_norms.at[jnp.minimum(count, steps - 1)].set(norm),
-                           state.warmup_norms)
-        init_mean = jnp.sum(buffer) / steps
-        init_var = _saturate(jnp.sum((buffer - init_mean) ** 2) / steps)
-        completes = warm & (count + 1 == steps)
-        warm_scale = jnp.ones((), dtype) if cap is None else _torch_clip_factor(cap, norm)
-
-        # Active.
-        mean, var = state.mean, state.var
-        std = norms.safe_sqrt(var)
-        if mode == "percentile":
-            threshold = mean + z_limit * std
-            spike = norm > threshold
-            detect = threshold
-        else:
-            detect = mean + z_limit * (std + eps)  # spike iff z > z_limit iff norm > detect
-            z = (norm - mean) / (std + eps)
-            spike = z > z_limit
-            if clip_option == "mean":
-                threshold = mean
-            else:
-                threshold = factor * (mean + z_limit * std / (z / z_limit))
-        if fixed:  # a variance of 0 carries no information; detect nothing yet.
-            spike = spike & ~_constant(mean, std)
-        adaptive = jnp.where(spike, threshold, norm)
-        # Python min(adaptive, cap): the first argument wins ties and NaN.
-        eff = adaptive if cap is None else jnp.where(cap < adaptive, cap, adaptive)
-        # The logged threshold: eff on a spike, else the norm above which this call would clip.
-        limit = jnp.where(spike, threshold, detect)
-        if fixed:
-            limit = jnp.where(_constant(mean, std), jnp.inf, limit)
-        limit = limit if cap is None else jnp.minimum(limit, cap)
-        limit = jnp.where(warm, jnp.inf if cap is None else cap, limit)
-        active_scale = jnp.where(norm > eff, eff / (norm + _TORCH_EPS), 1)
-        fed = jnp.where(spike, threshold, norm)
-        new_mean = alpha * mean + (1 - alpha) * fed
-        new_var = _saturate(alpha * var + (1 - alpha) * (fed - new_mean) ** 2)
-        if skip_update_on_spike:
-            new_mean = jnp.where(spike, mean, new_mean)
-            new_var = jnp.where(spike, var, new_var)
-
-        scale = jnp.where(warm, warm_scale, active_scale).astype(dtype)
-        new_mean = jnp.where(warm, jnp.where(completes, init_mean, mean), new_mean)
-        new_var = jnp.where(warm, jnp.where(completes, init_var, var), new_var)
-        finite = jnp.isfinite(norm)
-        keep = lambda new, old: jnp.where(finite, new, old)
-        return _scale_leaves(updates, scale), ZClipState(
-            count=keep(optax.safe_increment(count), count),
-            warmup_norms=keep(buffer, state.warmup_norms),
-            mean=keep(new_mean.astype(dtype), mean), var=keep(new_var.astype(dtype), var),
-            norm=keep(norm, state.norm),
-            threshold=keep(jnp.where(jnp.isinf(limit), norm, limit).astype(dtype),
-                           state.threshold),
-            scale=stats_lib.keep_finite(scale, state.scale), clipped=scale < 1,
-            spikes=state.spikes + (finite & ~warm & spike).astype(jnp.int32),
-            nonfinite=state.nonfinite + (~finite).astype(jnp.int32),
-            step=stats_lib.step_count(state.step, finite))
-
-    return checks.transformation(init_fn, update_fn)
-
-
-# ---------------------------------------------------------------------------------------------
-# AutoClip (autoclip 0.2.1 QuantileClip, StandardClip).
-
-_AUTOCLIP_FIELDS = ("norm", "threshold", "scale", "clipped", "filled", "nonfinite")
-
-
-@stats_lib.diagnostic("quantile_clip", _AUTOCLIP_FIELDS)
-class QuantileClipState(NamedTuple):
-    pos: jax.Array        # int32 next write slot of the ring buffer, in [0, history_length)
-    filled: jax.Array     # int32 norms held, <= history_length
-    history: jax.Array    # (history_length,) global, or (F, history_length) per leaf
-    norm: Any             # pre-clip norm: scalar (global) or tree mirroring the updates
-    threshold: Any        # threshold in force (the norm itself while there is none)
-    scale: Any            # factor applied
-    clipped: Any          # bool
-    nonfinite: jax.Array  # int32 calls with a non-finite norm (state left unchanged)
-    step: jax.Array       # int32 finite calls: the count that a ``quantile`` schedule sees
-
-
-@stats_lib.diagnostic("standard_clip", _AUTOCLIP_FIELDS)
-class StandardClipState(NamedTuple):
-    pos: jax.Array
-    filled: jax.Array
-    history: jax.Array
-    norm: Any
-    threshold: Any
-    scale: Any
-    clipped: Any
-    nonfinite: jax.Array
-    step: jax.Array
-
-
-def _torch_lerp(a: jax.Array, b: jax.Array, w: jax.Array) -> jax.Array:
-    """torch.lerp's two-sided formula."""
-    return jnp.where(jnp.abs(w) < 0.5, a + w * (b - a), b - (1 - w) * (b - a))
-
-
-def _history_quantile(history: jax.Array, filled: jax.Array, q: float) -> jax.Array:
-    """``torch.quantile(valid slots, q)`` (linear) over the last axis; the ring order is moot."""
-    size = history.shape[-1]
-    valid = jnp.arange(size) < filled
-    ordered = jnp.sort(jnp.where(valid, history, jnp.inf), axis=-1)
-    rank = q * (jnp.maximum(filled, 1) - 1).astype(history.dtype)
-    lo = jnp.floor(rank).astype(jnp.int32)
-    hi = jnp.ceil(rank).astype(jnp.int32)
-    a = jnp.take(ordered, lo, axis=-1)
-    b = jnp.take(ordered, hi, axis=-1)
-    return _torch_lerp(a, b, rank - lo.astype(history.dtype))
-
-
-def _history_mean_std(history: jax.Array, filled: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Mean and unbiased std of the valid slots over the last axis (NaN std for one slot)."""
-    valid = jnp.arange(history.shape[-1]) < filled
-    k = filled.astype(history.dtype)
-    mean = jnp.sum(jnp.where(valid, history, 0), axis=-1) / k
-    squares = jnp.sum(jnp.where(valid, (history - mean[..., None]) ** 2, 0), axis=-1)
-    return mean, norms.safe_sqrt(squares / (k - 1))
-
-
-def _constant(mean: jax.Array, std: jax.Array) -> jax.Array:
-    """Whether ``std`` is rounding noise of a constant history (zclip's warm-up guard).
-
-    Identical warm-up norms of 0.1 leave a float32 variance of about 1e-16, not 0: a spread
-    below 16 ulps of the mean counts as none, so the guard holds despite rounding.
-    """
-    return std <= 16 * jnp.finfo(std.dtype).eps * jnp.abs(mean)
-
-
-def _saturate(var: jax.Array) -> jax.Array:
-    """A variance beyond the dtype's range (norms ~1e20 in float32) kept at its largest value."""
-    return jnp.minimum(var, jnp.finfo(var.dtype).max)
-
-
-def _autoclip(threshold_fn, history_length, global_threshold, state_cls, axis_name):
-    norms.check_axis_name(axis_name)
-    checks.integer("history_length", history_length, low=1)
-    checks.boolean("global_threshold", global_threshold)
-    per_leaf = not global_threshold
-
-    def diag_tree(updates, values):
-        return _per_leaf_tree(updates, values) if per_leaf else values
-
-    def init_fn(params):
-        dtype = norms.stat_dtype(params)
-        batch = () if global_threshold else (len(_float_leaves(params)),)
-        zeros = jnp.zeros(batch, dtype)
-        return stats_lib.own_buffers(state_cls(
-            jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32),
-            jnp.zeros(batch + (history_length,), dtype),
-            diag_tree(params, zeros), diag_tree(params, zeros),
-            diag_tree(params, zeros + 1), diag_tree(params, zeros > 0),
-            jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32)))
-
-    def update_fn(updates, state, params=None):
-        del params
-        dtype = state.history.dtype
-        if global_threshold:
-            norm = norms.global_norm(updates, 2.0, axis_name).astype(dtype)
-        else:
-            norm = _stack([norms.leaf_norm(x, 2.0, axis_name) for x in _float_leaves(updates)],
-                          dtype)
-        # The threshold comes from past norms only; none while the history is
-        # empty, so call 1 is never clipped.
-        threshold = jnp.where(
-            state.filled > 0, threshold_fn(state.history, state.filled, state.step),
-            jnp.inf).astype(dtype)
-        scale = _torch_clip_factor(threshold, norm).astype(dtype)
-        history = state.history.at[..., state.pos].set(norm)
-        finite = jnp.all(jnp.isfinite(norm))
-        # autoclip records inf/NaN norms, poisoning the window for history_length calls.
-        keep = lambda new, old: jnp.where(finite, new, old)
-        last_finite = lambda new, old: stats_lib.keep_finite(new, _stack_diag(old, per_leaf, dtype))
-        return _scale_leaves(updates, scale), state_cls(
-            pos=keep((state.pos + 1) % history_length, state.pos),
-            filled=keep(jnp.minimum(state.filled + 1, history_length), state.filled),
-            history=keep(history, state.history),
-            norm=diag_tree(updates, last_finite(norm, state.norm)),
-            threshold=diag_tree(updates, last_finite(
-                jnp.where(jnp.isinf(threshold), norm, threshold), state.threshold)),
-            scale=diag_tree(updates, last_finite(scale, state.scale)),
-            clipped=diag_tree(updates, scale < 1),
-            nonfinite=state.nonfinite + (~finite).astype(jnp.int32),
-            step=stats_lib.step_count(state.step, finite))
-
-    return checks.transformation(init_fn, update_fn)
-
-
-def quantile_clip(
-    quantile: float = 0.9,
-    history_length: int = 1000,
-    global_threshold: bool = False,
-    *,
-    axis_name: norms.AxisName = None,
-) -> optax.GradientTransformation:
-    """AutoClip: clip to a quantile of the recent history of gradient norms.
-
-    ``g <- g * min(1, c / (n + 1e-6))`` with ``c`` the ``quantile`` (linear interpolation, as
-    ``torch.quantile``) of the pre-clip norms of the previous ``history_length`` calls
-    (``c = inf`` on the first call). Per leaf by default (each leaf has its own history and
-    is judged on its own norm); ``global_threshold=True`` uses the global norm.
-
-    Args:
-      quantile: in ``[0, 1]`` (a fraction, not a percentile), or an optax schedule
-        ``count -> value`` (``count``: finite calls so far, ``state.step``).
-      history_length: ``L``, the window (a ring buffer of ``L`` norms, per leaf in local mode).
-      global_threshold: one history of the global norm instead of one per leaf.
-      axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) (a name or a tuple) the
-        leaves are split over: the norms are combined across devices with ``psum``, so every
-        device takes the same decision and keeps the same state. Not needed under ``jax.jit``
-        with sharded arrays.
-
-    Returns:
-      An ``optax.GradientTransformation`` whose state logs ``norm``, ``threshold`` (the norm
-      itself while there is none), ``scale``, ``clipped`` (per leaf in local mode), ``filled``
-      and ``nonfinite``.
-
-    References:
-      autoclip 0.2.1 ``QuantileClip``; Seetharaman et al., "AutoClip:
-      Adaptive Gradient Clipping for Source Separation Networks", MLSP 2020 (arXiv
-      2007.14469), which includes the current norm and keeps an unbounded history; optclip,
-      like autoclip, uses the past ``L`` norms only. Differences: a non-finite norm is not
-      recorded (the reference's window then yields NaN for ``L`` calls); all leaves advance
-      together; no host syncs.
-      A window dominated by zero norms gives a threshold of 0, as the reference.
-
-    Example:
-      >>> import jax.numpy as jnp, optax, optclip
-      >>> tx = optclip.quantile_clip(0.5, global_threshold=True)
-      >>> state = tx.init({"w": jnp.zeros(2)})
-      >>> for s in [1.0, 3.0, 5.0, 4.0]:
-      ...     out, state = tx.update({"w": jnp.array([0.6, 0.8]) * s}, state)
-      >>> round(float(optax.tree.norm(out)), 5)
-      3.0
-    """
-    checks.in_range("quantile", quantile, 0.0, 1.0, allow_schedule=True)
-
-    def threshold_fn(history, filled, step):
-        return _history_quantile(history, filled, checks.resolve(quantile, step, history.dtype))
-
-    return _autoclip(threshold_fn, history_length, global_threshold, QuantileClipState,
-                     axis_name)
-
-
-def standard_clip(
-    deviations: float = 2.0,
-    history_length: int = 1000,
-    global_threshold: bool = False,
-    *,
-    add_mean: bool = False,
-    parity: Parity = "fixed",
-    axis_name: norms.AxisName = None,
-) -> optax.GradientTransformation:
-    """AutoClip's StandardClip: clip to ``deviations`` standard deviations of the norm history.
-
-    ``g <- g * min(1, c / (n + 1e-6))`` with ``c = deviations * std(h)`` (unbiased) over the
-    pre-clip norms ``h`` of the previous ``history_length`` calls; ``c = inf`` until the
-    history holds two norms. Note the reference's threshold has no mean term: with typical
-    norms (std much smaller than the mean) it clips nearly every call to a small norm;
-    ``add_mean=True`` uses ``mean(h) + deviations * std(h)`` instead.
-
-    Args:
-      deviations: ``>= 0``, or an optax schedule ``count -> value`` (``count``: finite calls
-        so far, ``state.step``).
-      history_length: ``L``, the window (a ring buffer of ``L`` norms, per leaf in local mode).
-      global_threshold: one history of the global norm instead of one per leaf.
-      add_mean: threshold ``mean + deviations * std`` instead of autoclip's ``deviations *
-        std``.
-      parity: ``"fixed"`` (default) does not clip while the history holds one norm;
-        ``"reference"`` reproduces autoclip, whose std of one sample is NaN, turning every
-        gradient of the second call into NaN.
-      axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) (a name or a tuple) the
-        leaves are split over: the norms are combined across devices with ``psum``, so every
-        device takes the same decision and keeps the same state. Not needed under ``jax.jit``
-        with sharded arrays.
-
-    Returns:
-      An ``optax.GradientTransformation`` whose state logs ``norm``, ``threshold`` (the norm
-      itself while there is none), ``scale``, ``clipped`` (per leaf in local mode), ``filled``
-      and ``nonfinite``.
-
-    References:
-      autoclip 0.2.1 ``StandardClip``. Differences as for
-      :func:`quantile_clip`. A constant history (or ``deviations=0``) gives a threshold of 0 and
-      zeroes the gradients, as the reference.
-
-    Example:
-      >>> import jax.numpy as jnp, optax, optclip
-      >>> tx = optclip.standard_clip(global_threshold=True, add_mean=True)
-      >>> state = tx.init({"w": jnp.zeros(2)})
-      >>> for s in [1.0, 1.2, 0.8, 1.0, 9.0]:
-      ...     out, state = tx.update({"w": jnp.array([0.6, 0.8]) * s}, state)
-      >>> round(float(state.threshold), 4), round(float(optax.tree.norm(out)), 4)
-      (1.3266, 1.3266)
-    """
-    checks.non_negative("deviations", deviations, allow_schedule=True)
-    checks.boolean("add_mean", add_mean)
-    _check_parity(parity)
-    min_filled = 1 if parity == "reference" else 2
-
-    def threshold_fn(history, filled, step):
-        mean, std = _history_mean_std(history, filled)
-        spread = checks.resolve(deviations, step, history.dtype) * std
-        threshold = mean + spread if add_mean else spread
-        return jnp.where(filled >= min_filled, threshold, jnp.inf)
-
-    return _autoclip(threshold_fn, history_length, global_threshold, StandardClipState,
-                     axis_name)

@@ -19,9 +19,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optclip._core import checks, norms
+from optclip._core import checks, norms, running
 from optclip._core import stats as stats_lib
-from optclip.history import _history_quantile
 
 __all__ = ["SkipSpikesState", "skip_spikes"]
 
@@ -93,8 +92,8 @@ def _mad_detector(window: int, eps: float):
 
     def score(stats, value, accepted):
         filled = jnp.minimum(accepted, window)
-        median = _history_quantile(stats.history, filled, 0.5)
-        mad = _history_quantile(jnp.abs(stats.history - median), filled, 0.5)
+        median = running.history_quantile(stats.history, filled, 0.5)
+        mad = running.history_quantile(jnp.abs(stats.history - median), filled, 0.5)
         return (value - median) / (_MAD_TO_STD * mad + eps)
 
     def update(stats, value, accepted):

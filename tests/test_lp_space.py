@@ -714,7 +714,7 @@ def test_random_q_draws_stay_in_range_differ_between_steps_and_set_k():
     (0.244383484, 10, 8), (0.719913185, 1, 0)])
 def test_drawn_q_to_k_matches_the_reference_draws(q_t, size, k):
     """The q_t torch drew in spec §7.2 (seed 123) and the k it used."""
-    from optclip.lp_space import _traced_k
+    from optclip._core.slices import traced_k as _traced_k
     assert int(_traced_k(jnp.float32(q_t), size)) == k
 
 
@@ -965,5 +965,5 @@ def test_top_q_keeps_the_first_k_in_stable_order_with_ties_and_nan():
         tx = optclip.top_q(q)
         out = tx.update(jnp.asarray(g), tx.init(jnp.asarray(g)))[0]
         np.testing.assert_array_equal(out, expected)
-        traced = jax.jit(lambda g, k: optclip.lp_space._top_q_kept(g, (1,), k))(g, k)
+        traced = jax.jit(lambda g, k: optclip._core.slices.top_q_kept(g, (1,), k))(g, k)
         np.testing.assert_array_equal(traced, expected)

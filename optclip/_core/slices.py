@@ -1,0 +1,264 @@
+"""Per-slice machinery shared by the Lp-space transforms, the projections and Frank-Wolfe:
+validation, slice axes, sign and Lp normalization of slices, the top-q mask, clamping.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optclip._core import axes as axes_lib
+from optclip._core import checks, norms
+
+# rai_toolbox's ``div_by_zero_eps`` default: float32's smallest normal number, 2**-126.
+TINY = float(np.finfo(np.float32).tiny)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (numbers.Real, np.generic)) and not isinstance(value, bool)
+
+
+def check_real(name: str, value: Any) -> None:
+    """Any finite-or-infinite real (no range); NaN and non-numbers are rejected."""
+    checks.in_range(name, value)
+
+
+def check_bounds(clamp_min: Any, clamp_max: Any) -> None:
+    if clamp_min is None and clamp_max is None:
+        raise ValueError("clamp_min and clamp_max cannot both be None; set at least one bound")
+    checks.in_range("clamp_min", clamp_min, allow_none=True, allow_schedule=True)
+    checks.in_range("clamp_max", clamp_max, allow_none=True, allow_schedule=True)
+    if (checks.is_concrete_number(clamp_min) and checks.is_concrete_number(clamp_max)
+            and float(np.asarray(clamp_min)) > float(np.asarray(clamp_max))):
+        raise ValueError(f"clamp_min must be <= clamp_max, got clamp_min={clamp_min!r} > "
+                         f"clamp_max={clamp_max!r}")
+
+
+def check_q(q: Any, dq: Any, seed: Any) -> None:
+    checks.in_range("q", q, 0.0, 1.0)
+    checks.in_range("dq", dq, 0.0, 1.0)
+    checks.integer("seed", seed, low=0)
+
+
+def slice_axes(x: jax.Array, param_ndim: int | None) -> tuple[int, ...]:
+    return axes_lib.reduction_axes(x.ndim, param_ndim=param_ndim)
+
+
+def leaf_axes(leaves: list, tree: Any, param_ndim: Any) -> list:
+    """Slice axes of every leaf of ``tree`` (``None`` for non-float leaves); ``param_ndim``
+    may be per leaf (a pytree matching the parameters or a callable ``(path, leaf) -> k``)."""
+    return [slice_axes(x, k) if norms.is_float(x) else None
+            for x, k in zip(leaves, axes_lib.leaf_param_ndims(param_ndim, tree), strict=True)]
+
+
+def per_leaf(fn, tree: Any) -> Any:
+    """A per-leaf diagnostic tree: ``fn(x)`` for float leaves, ``None`` elsewhere."""
+    return jax.tree.map(lambda x: fn(x) if norms.is_float(x) else None, tree)
+
+
+def require_params(params: Any, name: str) -> None:
+    if params is None:
+        raise ValueError(f"{name} needs the current parameters: call "
+                         f"update(updates, state, params) (it must come last in the chain)")
+
+
+def sign(g: jax.Array) -> jax.Array:
+    """``sign(g)`` with ``sign(±0) = +0`` (torch); NaN propagates."""
+    return jnp.where(g == 0, jnp.zeros_like(g), jnp.sign(g))
+
+
+def normalized(g: jax.Array, ord: float, axes: tuple[int, ...], eps: Any,
+                split: tuple[str, ...] = ()) -> tuple[jax.Array, jax.Array]:
+    """``g / max(||g||, eps)`` per slice, in the wide dtype; returns (output, norm).
+
+    The norm is the plain reduction (the reference's formula in the normal range). Where it
+    underflows (``Σg² < tiny`` for L2, ``Σ|g| < tiny`` for L1) or is so large that its
+    reciprocal would be subnormal (``>= 1/tiny``, inf included) while the slice is non-zero and
+    finite, the slice is first scaled by a power of two that brings its max-abs into [0.5, 1),
+    so the output has unit norm: the reference returns 8.5e7 for [1e-30, 0] and [0, 0] for
+    [3e38, 3e38]. A zero slice stays zero in every dtype, also for ``eps=0`` (the
+    reference gives NaN in float16). XLA turns the division by a per-slice value into a
+    multiplication by its reciprocal, so results can differ from the reference by an ulp.
+    ``split``: mesh axes the slices are split over (inside ``shard_map``/``pmap``).
+    """
+    wide = g.astype(norms.acc_dtype(g.dtype))
+    norm = norms.slice_norm(wide, ord, axes, split)
+    eps = jnp.asarray(eps).astype(wide.dtype)
+    # float16 is accumulated in float32, where its norms can neither underflow nor overflow.
+    # A zero slice stays zero; dividing it by 1 keeps its derivative finite (0 / eps**2 is NaN).
+    plain = jnp.where(norm == 0, 1, jnp.maximum(norm, eps))
+    if g.dtype == jnp.float16:
+        return wide / plain, norm
+    tiny = float(jnp.finfo(wide.dtype).tiny)
+    low = tiny if ord == 1.0 else math.sqrt(tiny)
+    biggest = norms.across(jnp.max(jnp.abs(wide), axis=axes, keepdims=True, initial=0), "max",
+                           split)
+    rescale = ((norm < low) | (norm >= 1 / tiny)) & (biggest > 0) & jnp.isfinite(biggest)
+    # Scale by 2**-e (exact) in two halves, so that neither factor is subnormal or infinite.
+    shift = jnp.where(rescale, -norms.binary_exponent(biggest), 0)
+    half = norms.pow2(shift >> 1, wide.dtype)
+    unit = wide * half * half * norms.pow2(shift & 1, wide.dtype)
+    denom = jnp.where(rescale, norms.slice_norm(unit, ord, axes, split), plain)
+    out = unit / jnp.where(denom == 0, 1, denom)
+    return out, jnp.where(rescale, norms.ldexp(denom, -shift), norm)
+
+
+def explicit_sharding(x: jax.Array):
+    """``x``'s sharding when it is sharded under an explicit mesh (``jax.make_mesh``'s default),
+    else ``None`` (unsharded, or automatic sharding that XLA propagates by itself)."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    return sharding if spec is not None and any(s is not None for s in spec) else None
+
+
+def slice_rows(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+    """View ``x`` as ``(*batch, D)``: the reduced (trailing) axes merged into one.
+
+    Ranking needs whole slices: where a slice is sharded over devices under an explicit mesh,
+    its axes are replicated first (the batch axes keep their sharding).
+    """
+    n_batch = x.ndim - len(axes)
+    if not axes:
+        return x[..., None]
+    sharding = explicit_sharding(x)
+    if sharding is not None:
+        spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+        if any(s is not None for s in spec[n_batch:]):
+            x = jax.sharding.reshard(x, jax.sharding.NamedSharding(
+                sharding.mesh, jax.sharding.PartitionSpec(*spec[:n_batch], *[None] * len(axes))))
+    if len(axes) == 1:
+        return x
+    return x.reshape(*x.shape[:n_batch], axes_lib.slice_size(x.shape, axes))
+
+
+def slice_mask(mask: jax.Array, like: jax.Array) -> jax.Array:
+    """A ``(*batch, D)`` mask back in ``like``'s shape (and explicit sharding)."""
+    mask = mask.reshape(like.shape)
+    sharding = explicit_sharding(like)
+    return mask if sharding is None else jax.sharding.reshard(mask, sharding)
+
+
+def top_k_mask(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array) -> jax.Array:
+    """Whether each entry is among the ``k`` largest ``|g|`` of its slice, shape ``(*batch, D)``.
+
+    Stable: ties go to the lowest index first (torch.topk breaks them arbitrarily);
+    NaN ranks as the largest (it is kept, as in the reference). One sort of
+    ``(-|g|, index)`` per slice finds the ``k``-th entry; an entry is kept when it comes before
+    it in that order (no second sort to rank every entry).
+    """
+    magnitude = jnp.abs(slice_rows(g, axes))
+    magnitude = jnp.where(jnp.isnan(magnitude), jnp.inf, magnitude)
+    if magnitude.shape[-1] == 0:
+        return jnp.zeros(magnitude.shape, bool)
+    # Built from a zeros_like so that it carries the slices' sharding under an explicit mesh.
+    index = jnp.zeros_like(magnitude, jnp.int32) + jnp.arange(magnitude.shape[-1],
+                                                               dtype=jnp.int32)
+    if isinstance(k, int) and 0 < k < magnitude.shape[-1]:
+        # top_k orders equal values by index too, and needs no full sort.
+        values, order = jax.lax.top_k(magnitude, k)
+        last, last_index = values[..., -1:], order[..., -1:]
+    else:
+        keys, order = jax.lax.sort((-magnitude, index), dimension=magnitude.ndim - 1,
+                                   num_keys=2)
+        at = jnp.clip(jnp.asarray(k) - 1, 0, magnitude.shape[-1] - 1)
+        last = -jax.lax.dynamic_index_in_dim(keys, at, axis=-1)
+        last_index = jax.lax.dynamic_index_in_dim(order, at, axis=-1)
+    keep = (magnitude > last) | ((magnitude == last) & (index <= last_index))
+    return keep & (k > 0)
+
+
+def static_k(q: float, size: int) -> int:
+    """``round((1 - q) * D)`` in double precision, half to even."""
+    return round((1.0 - float(q)) * size)
+
+
+def traced_k(q: jax.Array, size: int) -> jax.Array:
+    """``round((1 - q) * D)`` on device, half to even, in float64 under x64 else float32."""
+    wide = norms.stat_dtype()
+    return jnp.round((1 - q.astype(wide)) * size).astype(jnp.int32)
+
+
+def top_q_kept(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array) -> jax.Array:
+    """``g`` with all but the ``k`` largest-``|g|`` entries of every slice set to zero."""
+    size = axes_lib.slice_size(g.shape, axes)
+    if isinstance(k, int):
+        if k <= 0:
+            return jnp.zeros_like(g)
+        if k >= size:
+            return g
+    keep = slice_mask(top_k_mask(g, axes, k), g)
+    return jnp.where(keep, g, jnp.zeros_like(g))
+
+
+def l1q(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array, eps: Any) -> jax.Array:
+    """Top-k, sign, L1-normalize: ``±1/c`` on the ``c`` non-zero kept entries."""
+    signs = sign(top_q_kept(g, axes, k))
+    return normalized(signs, 1.0, axes, eps)[0].astype(g.dtype)
+
+
+def logged_q(q: Any, leaf: jax.Array) -> jax.Array:
+    """``q`` as drawn (float32, as torch), stored in the leaf's statistics dtype (float64 for a
+    float64 leaf, like every statistic)."""
+    return jnp.asarray(q, jnp.float32).astype(norms.acc_dtype(leaf.dtype))
+
+
+class DropFraction:
+    """Static-or-drawn ``q`` per leaf and the matching ``k``."""
+
+    def __init__(self, q: Any, dq: Any, seed: int):
+        self.q, self.dq, self.seed = q, dq, seed
+        self.static = is_number(q) and is_number(dq) and dq == 0
+
+    def init(self, params: Any) -> tuple[jax.Array, Any, Any]:
+        """The key, and ``q``/``k`` trees holding ``q`` and 0 until the first step."""
+        key = jax.random.PRNGKey(self.seed)
+        q = per_leaf(lambda x: logged_q(self.q, x), params)
+        k = per_leaf(lambda x: jnp.zeros((), jnp.int32), params)
+        return key, q, k
+
+    def draw(self, key: jax.Array, leaves: list, axes_of: list) -> tuple[jax.Array, list, list]:
+        """``(new key, q per leaf, k per leaf)`` for flattened ``leaves`` with slice axes
+        ``axes_of`` (``None`` for non-float leaves); ``k`` holds Python ints when ``q`` is
+        static."""
+        floats = [i for i, x in enumerate(leaves) if norms.is_float(x)]
+        sizes = {i: axes_lib.slice_size(leaves[i].shape, axes_of[i]) for i in floats}
+        q_of: list[Any] = [None] * len(leaves)
+        k_of: list[Any] = [None] * len(leaves)
+        if self.static:
+            for i in floats:
+                q_of[i] = logged_q(self.q, leaves[i])
+                k_of[i] = static_k(self.q, sizes[i])
+            return key, q_of, k_of
+        key, subkey = jax.random.split(key)
+        u = jax.random.uniform(subkey, (len(floats),), jnp.float32)
+        q = jnp.asarray(self.q, jnp.float32)
+        dq = jnp.asarray(self.dq, jnp.float32)
+        q_lo = jnp.maximum(q - dq, 0.0)
+        q_hi = jnp.minimum(q + dq, 1.0)
+        # One float32 q per leaf: q_lo + (q_hi - q_lo) * u, as torch forms it. k in the widest
+        # float available (the reference uses double; float32 can differ only at exact .5).
+        q_t = (q_hi - q_lo) * u + q_lo
+        for j, i in enumerate(floats):
+            q_of[i] = logged_q(q_t[j], leaves[i])
+            k_of[i] = traced_k(q_t[j], sizes[i])
+        return key, q_of, k_of
+
+
+def k_arrays(k_of: list) -> list:
+    return [None if k is None else jnp.asarray(k, jnp.int32) for k in k_of]
+
+
+def bounds_at(count: jax.Array, low: Any, high: Any) -> tuple[Any, Any]:
+    """Float-or-schedule bounds (``None``: unbounded) resolved at ``count``."""
+    return tuple(None if b is None else checks.resolve(b, count) for b in (low, high))
+
+
+def clip(x: jax.Array, low: Any, high: Any) -> jax.Array:
+    low = None if low is None else jnp.asarray(low).astype(x.dtype)
+    high = None if high is None else jnp.asarray(high).astype(x.dtype)
+    return jnp.clip(x, low, high)
