@@ -1,4 +1,4 @@
-"""Every public transform, through the same checks (the registry lives in tests/registry/)."""
+"""Every public transform, through the same checks (the table lives in tests/registry.py)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ entries = pytest.mark.parametrize("entry", ALL_ENTRIES, ids=str)
 def test_registry_covers_every_public_transform():
     registered = {e.name for e in ALL_ENTRIES}
     public = set(optclip.__all__) - NOT_TRANSFORMS
-    assert public - registered == set(), "add a tests/registry entry for each public transform"
+    assert public - registered == set(), "add a tests/registry.py entry for each public transform"
     assert registered - public == set()
 
 
