@@ -687,9 +687,17 @@ def test_none_masked_and_empty_leaves_pass_through(entry):
 
 
 @entries
-@pytest.mark.parametrize("tree", [{}, []], ids=["dict", "list"])
-def test_an_empty_tree_gives_an_empty_tree(entry, tree):
+@pytest.mark.parametrize("tree", [{}, [], {"a": None}], ids=["dict", "list", "none"])
+def test_a_tree_without_arrays_comes_back_as_it_was(entry, tree):
     tx = entry.make()
     out, state = tx.update(tree, tx.init(tree), tree)
     assert out == tree
     optclip.stats(state)
+
+
+@pytest.mark.parametrize("entry", [e for e in ALL_ENTRIES if e.needs_params], ids=str)
+def test_update_without_params_names_the_transform_and_params(entry):
+    tx = entry.make()
+    params = _params(entry)
+    with pytest.raises(ValueError, match=rf"\b{entry.name}\b.*\bparams\b"):
+        tx.update(_grads(entry)[0], tx.init(params))
