@@ -223,3 +223,96 @@ def test_axis_name_outside_shard_map_changes_nothing():
         got = jax.jit(with_axis.update)(g, with_axis.init(g))
         expected = without.update(g, without.init(g))
         chex.assert_trees_all_close(got, expected, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranking inside shard_map: the whole slice's top k, without gathering the slice.
+
+RANKERS = {
+    "top_q": lambda a, q, dq: optclip.top_q(q, dq=dq, param_ndim=None, axis_name=a),
+    "l1q_normalize": lambda a, q, dq: optclip.l1q_normalize(q, dq=dq, param_ndim=None,
+                                                            axis_name=a),
+    "l1q_frank_wolfe": lambda a, q, dq: optclip.l1q_frank_wolfe(q, 1.5, dq=dq, param_ndim=None,
+                                                                axis_name=a),
+    "l1_frank_wolfe": lambda a, q, dq: optclip.l1_frank_wolfe(1.5, param_ndim=None,
+                                                              axis_name=a),
+}
+
+
+def _ties(seed):
+    """(16, 4) magnitudes from {0, 1, 2, 3} with random signs: ties everywhere, NaN-free."""
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.integers(0, 4, size=(16, 4)) * rng.choice([-1, 1], size=(16, 4)),
+                       jnp.float32)
+
+
+def _ranked_in_shard_map(tx, mesh, spec, params, grads):
+    def body(params, *steps):
+        state, outs = tx.init(params), []
+        for g in steps:
+            out, state = tx.update(g, state, params)
+            outs.append(out)
+        return outs, optclip.stats(state)
+
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * (1 + len(grads)),
+                           out_specs=([spec] * len(grads), P()))
+    return jax.jit(mapped)(params, *grads)
+
+
+@pytest.mark.parametrize("name", sorted(RANKERS))
+@pytest.mark.parametrize("q, dq, grads", [
+    (0.5, 0.0, "ones"), (0.3, 0.0, "ties"), (0.6, 0.3, "ties")],
+    ids=["ones-half", "ties-static-k", "ties-random-k"])
+def test_shard_map_keeps_the_same_entries_as_the_unsharded_run(name, q, dq, grads):
+    """A (16, 4) leaf whose one slice is split 8 ways along its leading axis (over a tuple of
+    mesh axes): the same kept entries (ties included), outputs and logged ``q``/``k`` as
+    without sharding, for a static ``k`` and a drawn one."""
+    steps = ([jnp.ones((16, 4))] * 2 if grads == "ones" else [_ties(s) for s in range(2)])
+    params = jnp.full((16, 4), 0.5)
+    mesh = _mesh((2, 4), ("d", "m"), "auto")
+    outs, logged = _ranked_in_shard_map(RANKERS[name](("d", "m"), q, dq), mesh, P(("d", "m")),
+                                        params, steps)
+    plain = RANKERS[name](None, q, dq)
+    state = plain.init(params)
+    for g, out in zip(steps, outs):
+        expected, state = plain.update(g, state, params)
+        np.testing.assert_array_equal(np.asarray(out) != 0, np.asarray(expected) != 0)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-6)
+    chex.assert_trees_all_close(logged, optclip.stats(state), rtol=1e-6)
+
+
+def test_shard_map_ranking_exchanges_counts_not_the_slice():
+    """top_q inside shard_map: the collectives carry per-slice counts (at most one number per
+    device), never the gradient."""
+    tx = optclip.top_q(0.5, param_ndim=None, axis_name="x")
+    mapped = jax.shard_map(lambda g: tx.update(g, tx.init(g))[0], mesh=_mesh((8,), ("x",), "auto"),
+                           in_specs=(P("x"),), out_specs=P("x"))
+    hlo = jax.jit(mapped).lower(jnp.ones((64, 32))).compile().as_text()
+    found = _collectives(hlo)
+    assert found.get("all-reduce"), found
+    for op, shapes in found.items():
+        for shape in shapes:
+            elements = [int(n) for n in shape.split("[")[-1].split("]")[0].split(",") if n]
+            assert np.prod(elements) <= 8, (op, shape)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: optclip.top_q(0.5, param_ndim=None),
+    lambda: optclip.l1q_normalize(0.5, param_ndim=None),
+    lambda: optclip.l1q_frank_wolfe(0.5, 1.0, param_ndim=None),
+], ids=["top_q", "l1q_normalize", "l1q_frank_wolfe"])
+def test_explicit_mesh_ranks_a_sharded_vector_as_one_slice(make):
+    """``param_ndim=None`` on a 1-D leaf sharded over an explicit mesh: its one slice is split
+    across devices (JAX refuses to sort a sharded axis); same numbers as unsharded."""
+    tx = make()
+    g = {"v": jnp.asarray(np.random.default_rng(0).normal(size=16), jnp.float32)}
+    params = {"v": jnp.ones(16)}
+    expected = tx.update(g, tx.init(params), params)
+    mesh = _mesh((8,), ("x",), "explicit")
+    with jax.set_mesh(mesh):
+        spec = {"v": P("x")}
+        sharded_g, sharded_params = _place(g, mesh, spec), _place(params, mesh, spec)
+        out, state = jax.jit(tx.update)(sharded_g, jax.jit(tx.init)(sharded_params),
+                                        sharded_params)
+    chex.assert_trees_all_close((out, state), expected, rtol=1e-6)
+    assert out["v"].sharding.is_equivalent_to(sharded_g["v"].sharding, 1)
