@@ -8,8 +8,11 @@ parameters after the step are in :mod:`optclip.projections`, Frank-Wolfe in
 
 ``param_ndim`` cuts each leaf into slices: ``None`` is the whole leaf, ``k >= 0`` the
 last ``k`` axes, ``k < 0`` the last ``ndim + k`` axes. It is resolved per leaf by
-:func:`optclip._core.axes.reduction_axes`; ``|param_ndim|`` larger than a leaf's rank fails at
-``init``. The default ``-1`` makes every element of a 1-D leaf its own slice.
+:func:`optclip._core.axes.reduction_axes` and may differ per leaf (a pytree matching the
+parameters or a callable ``(path, leaf) -> param_ndim``); a leaf of lower rank than
+``|param_ndim|`` is one slice. The default ``-1`` makes every element of a 1-D leaf its own
+slice. ``axis_name`` (inside ``shard_map``/``pmap``) names the mesh axes the slices are split
+over.
 """
 
 from __future__ import annotations
@@ -135,14 +138,15 @@ def _lp_normalize(ord: float, state_cls: type, name: str, param_ndim: int | None
     checks.non_negative("eps", eps)
     _check_affine(grad_scale, grad_bias)
 
-    def leaf(g, axes):
-        out, norm = slices.normalized(g, ord, axes, eps, norms.split_axes([g], axis_name)[0])
+    def leaf(g, axes, split):
+        out, norm = slices.normalized(g, ord, axes, eps, split)
         return _affine(out.astype(g.dtype), grad_scale, grad_bias), jnp.squeeze(norm, axis=axes)
 
     def apply(updates):
         leaves, treedef = jax.tree.flatten(updates)
-        results = [leaf(g, axes) if norms.is_float(g) else (g, None)
-                   for g, axes in zip(leaves, slices.leaf_axes(leaves, updates, param_ndim))]
+        cut = slices.slicing(leaves, updates, param_ndim, axis_name)
+        results = [leaf(g, axes, split) if norms.is_float(g) else (g, None)
+                   for g, axes, split in zip(leaves, cut.axes, cut.split, strict=True)]
         return tuple(treedef.unflatten([r[i] for r in results]) for i in range(2))
 
     def init_fn(params):
@@ -166,7 +170,8 @@ def l1_normalize(param_ndim: int | None = -1, eps: float = slices.TINY, grad_sca
     Args:
       param_ndim: which axes form a slice (``None``: the whole leaf; ``k >= 0``: the last ``k``
         axes; ``k < 0``: the last ``ndim + k``). With the default ``-1`` a 1-D leaf is cut into
-        one-element slices, so this becomes ``sign`` there.
+        one-element slices, so this becomes ``sign`` there. Also per leaf: a pytree matching
+        the parameters or a callable ``(path, leaf) -> param_ndim``.
       eps: lower bound of the divisor (rai_toolbox ``div_by_zero_eps``), ``>= 0``.
       grad_scale: multiplies the normalized gradient.
       grad_bias: then added to every element.

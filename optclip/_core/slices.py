@@ -234,8 +234,9 @@ def split_top_k(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array,
         enough = _count(bits >= middle, axes, split) >= k
         return jnp.where(enough, middle, low), jnp.where(enough, high, middle)
 
-    # Start from the counts (device-invariant, like the loop's results).
-    start = (_count(bits >= 0, axes, split) * 0).astype(bits.dtype)
+    # Start from the counts and k, so that the loop's carry has the device-variance type its
+    # results have.
+    start = (_count(bits >= 0, axes, split) * 0 + k * 0).astype(bits.dtype)
     kth, _ = jax.lax.fori_loop(0, top.bit_length(), halve, (start, start + top))
     above, ties = bits > kth, bits == kth
     wanted = k - _count(above, axes, split)
