@@ -98,7 +98,8 @@ def _affine(g: jax.Array, grad_scale: Any, grad_bias: Any) -> jax.Array:
 def sign(grad_scale: float = 1.0, grad_bias: float = 0.0) -> optax.GradientTransformation:
     """Replace every gradient element by its sign: ``g <- sign(g) * grad_scale + grad_bias``.
 
-    ``sign(±0) = 0``. Elementwise, so no ``param_ndim``.
+    ``sign(±0) = 0``. Elementwise, so no ``param_ndim``; stateless with no diagnostics, so no
+    ``axis_name`` either: inside ``shard_map`` it needs nothing combined across devices.
 
     Args:
       grad_scale: multiplies the signed gradient.
