@@ -264,9 +264,7 @@ def l2_frank_wolfe(epsilon: float, learning_rate: float = 2.0,
       use_default_lr_schedule: ``α_t = lr / (lr + t)`` (default) or a constant ``α = lr``.
       param_ndim: which axes form a slice, as in :func:`l1_normalize` (default ``-1``).
       eps: lower bound of the normalization's divisor, ``>= 0`` (the schedule uses ``tiny``).
-      axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) the slices' axes are
-        split over; the LMO then spans the whole slice (as in :func:`l1_normalize` and
-        :func:`top_q`).
+      axis_name: as in :func:`l1_frank_wolfe` (partial norms combined with ``psum``).
 
     Returns:
       An ``optax.GradientTransformation`` (replaces the inner optimizer; needs ``params``)

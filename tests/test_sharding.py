@@ -316,3 +316,14 @@ def test_explicit_mesh_ranks_a_sharded_vector_as_one_slice(make):
                                         sharded_params)
     chex.assert_trees_all_close((out, state), expected, rtol=1e-6)
     assert out["v"].sharding.is_equivalent_to(sharded_g["v"].sharding, 1)
+
+
+def test_pmap_ranks_the_slice_spread_over_the_devices():
+    """Under pmap every leaf counts as split: the eight (2, 4) blocks form one slice, ranked as
+    the (16, 4) matrix they stack into (ties in device order)."""
+    tx = optclip.top_q(0.7, param_ndim=None, axis_name="i")
+    g = _ties(3)
+    out = jax.pmap(lambda b: tx.update(b, tx.init(b))[0], axis_name="i")(g.reshape(8, 2, 4))
+    plain = optclip.top_q(0.7, param_ndim=None)
+    np.testing.assert_array_equal(np.asarray(out).reshape(16, 4),
+                                  np.asarray(plain.update(g, plain.init(g))[0]))
