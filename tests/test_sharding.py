@@ -327,3 +327,37 @@ def test_pmap_ranks_the_slice_spread_over_the_devices():
     plain = optclip.top_q(0.7, param_ndim=None)
     np.testing.assert_array_equal(np.asarray(out).reshape(16, 4),
                                   np.asarray(plain.update(g, plain.init(g))[0]))
+
+
+SLICE_TRANSFORMS = {
+    "top_q": lambda a: optclip.top_q(0.5, param_ndim=None, axis_name=a),
+    "l1q_normalize": lambda a: optclip.l1q_normalize(0.3, param_ndim=None, axis_name=a),
+    "clamp": lambda a: optclip.clamp(-0.5, 0.5, axis_name=a),
+    "project_l2_ball": lambda a: optclip.project_l2_ball(1.0, param_ndim=None, axis_name=a),
+    "project_linf_ball": lambda a: optclip.project_linf_ball(1.5, axis_name=a),
+    "clamp_params": lambda a: optclip.clamp_params(clamp_max=1.5, axis_name=a),
+    "frank_wolfe": lambda a: optclip.frank_wolfe(0.5, axis_name=a),
+    "l1_frank_wolfe": lambda a: optclip.l1_frank_wolfe(2.0, param_ndim=None, axis_name=a),
+    "l2_frank_wolfe": lambda a: optclip.l2_frank_wolfe(2.0, param_ndim=None, axis_name=a),
+    "linf_frank_wolfe": lambda a: optclip.linf_frank_wolfe(1.0, axis_name=a),
+    "l1q_frank_wolfe": lambda a: optclip.l1q_frank_wolfe(0.5, 1.5, param_ndim=None,
+                                                         axis_name=a),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SLICE_TRANSFORMS))
+def test_shard_map_ones_give_the_unsharded_output_and_state(name):
+    """ones(8, 4) split 8 ways (and a replicated ones(4)): the same outputs and logged state as
+    the unsharded run; the state is declared replicated, so JAX checks that it is the same on
+    every device."""
+    specs = {"w": P("x"), "b": P()}
+    ones = {"w": jnp.ones((8, 4)), "b": jnp.ones(4)}
+    outs, logged = _ranked_in_shard_map(SLICE_TRANSFORMS[name]("x"), _mesh((8,), ("x",), "auto"),
+                                        specs, ones, [ones, ones])
+    plain = SLICE_TRANSFORMS[name](None)
+    state = plain.init(ones)
+    for out in outs:
+        expected, state = plain.update(ones, state, ones)
+        chex.assert_trees_all_close(out, expected, rtol=1e-6)
+    assert logged.keys() == optclip.stats(state).keys()
+    chex.assert_trees_all_close(logged, optclip.stats(state), rtol=1e-6)
