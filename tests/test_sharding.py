@@ -361,3 +361,24 @@ def test_shard_map_ones_give_the_unsharded_output_and_state(name):
         chex.assert_trees_all_close(out, expected, rtol=1e-6)
     assert logged.keys() == optclip.stats(state).keys()
     chex.assert_trees_all_close(logged, optclip.stats(state), rtol=1e-6)
+
+
+@pytest.mark.parametrize("make", [
+    lambda a: optclip.l2_normalize(axis_name=a),
+    lambda a: optclip.top_q(0.3, axis_name=a),
+    lambda a: optclip.project_l2_ball(0.5, axis_name=a),
+    lambda a: optclip.l1q_frank_wolfe(0.3, 1.0, axis_name=a),
+], ids=["l2_normalize", "top_q", "project_l2_ball", "l1q_frank_wolfe"])
+def test_one_element_slices_of_a_split_vector_are_not_combined(make):
+    """``param_ndim=-1`` on a vector split over the named axis: every element is its own slice,
+    so nothing is combined across devices (its slices have no reduced axes to split). Per-slice
+    diagnostics then differ between devices, like the slices: only the outputs come back."""
+    v = {"v": jnp.asarray(np.random.default_rng(1).normal(size=16), jnp.float32)}
+    params = {"v": jnp.full(16, 0.25)}
+    tx = make("x")
+    mapped = jax.shard_map(lambda g, p: tx.update(g, tx.init(p), p)[0],
+                           mesh=_mesh((8,), ("x",), "auto"), in_specs=({"v": P("x")},) * 2,
+                           out_specs={"v": P("x")})
+    plain = make(None)
+    chex.assert_trees_all_close(jax.jit(mapped)(v, params),
+                                plain.update(v, plain.init(params), params)[0], rtol=1e-6)

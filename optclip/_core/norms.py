@@ -594,10 +594,11 @@ def scale_slices(
         if not is_float(x):
             return x, None
         axes = axes_lib.reduction_axes(x.ndim, leaf_dim, inverse_dims, param_ndim=leaf_param_ndim)
-        split = split_axes([x], axis_name)
-        if axes is None or axes_lib.slice_size(x.shape, axes) * axes_size(split[0]) < min_size:
+        # One-element slices (no reduced axes) are never split across devices.
+        split = split_axes([x], axis_name)[0] if axes else ()
+        if axes is None or axes_lib.slice_size(x.shape, axes) * axes_size(split) < min_size:
             return x, jnp.zeros((), acc_dtype(x.dtype))
-        norm = slice_norm(x, ord, axes, split[0])
+        norm = slice_norm(x, ord, axes, split)
         return scale(x, multiplier(norm)), jnp.squeeze(norm, axis=axes)
 
     leaves, treedef = jax.tree.flatten(tree)

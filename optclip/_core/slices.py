@@ -64,9 +64,14 @@ class Slicing(NamedTuple):
 
 
 def slicing(leaves: list, tree: Any, param_ndim: Any, axis_name: norms.AxisName) -> Slicing:
-    """The :class:`Slicing` of the flattened ``leaves`` of ``tree``."""
+    """The :class:`Slicing` of the flattened ``leaves`` of ``tree``.
+
+    One-element slices (no reduced axes) lie whole on one device whatever the leaf's split:
+    they are never combined across devices.
+    """
     axes_of = leaf_axes(leaves, tree, param_ndim)
-    split_of = norms.split_axes(leaves, axis_name)
+    split_of = [split if axes else () for axes, split in
+                zip(axes_of, norms.split_axes(leaves, axis_name), strict=True)]
     sizes = [None if axes is None else axes_lib.slice_size(x.shape, axes) * norms.axes_size(s)
              for x, axes, s in zip(leaves, axes_of, split_of)]
     return Slicing(axes_of, split_of, sizes)
