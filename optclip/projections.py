@@ -130,9 +130,8 @@ def project_l2_ball(epsilon: float, param_ndim: int | None = -1, *, exact: bool 
 
     def project(targets, radius):
         def multiplier(norm):
-            inside = jnp.asarray(radius).astype(norm.dtype)
-            return jnp.where(norm > inside,
-                             inside / (norm + jnp.asarray(renorm_eps, norm.dtype)), 1)
+            bound = jnp.asarray(radius).astype(norm.dtype)
+            return jnp.where(norm > bound, bound / (norm + jnp.asarray(renorm_eps, norm.dtype)), 1)
 
         projected, measured = norms.scale_slices(targets, 2.0, multiplier, param_ndim=param_ndim,
                                                  axis_name=axis_name)

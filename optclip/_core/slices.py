@@ -226,7 +226,8 @@ def split_top_k(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array,
     across devices (one ``psum`` of one int32 per slice). Entries above it are kept, and of the
     entries equal to it, the first ones in (device index along ``split``, local index) order
     until exactly ``k`` are kept: the global lowest-index rule when the named axes split the
-    slice's leading axis (as an FSDP layout does).
+    slice's leading axis (as an FSDP layout does). ``axes`` are trailing (as ``param_ndim``
+    gives them).
     """
     magnitude = _ranked_magnitude(g.astype(norms.acc_dtype(g.dtype)))
     bits = jax.lax.bitcast_convert_type(magnitude, norms.int_type(magnitude.dtype))
