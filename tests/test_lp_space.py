@@ -881,3 +881,36 @@ def test_top_q_keeps_the_first_k_in_stable_order_with_ties_and_nan():
         np.testing.assert_array_equal(out, expected)
         traced = jax.jit(lambda g, k: optclip._core.slices.top_q_kept(g, (1,), k))(g, k)
         np.testing.assert_array_equal(traced, expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-leaf param_ndim: a pytree matching the parameters, or a callable (path, leaf) -> k.
+
+PER_LEAF = {
+    "l1_normalize": lambda k: optclip.l1_normalize(k),
+    "l2_normalize": lambda k: optclip.l2_normalize(k),
+    "top_q": lambda k: optclip.top_q(0.5, param_ndim=k),
+    "l1q_normalize": lambda k: optclip.l1q_normalize(0.5, param_ndim=k),
+    "project_l2_ball": lambda k: optclip.project_l2_ball(1.0, param_ndim=k),
+    "l1_frank_wolfe": lambda k: optclip.l1_frank_wolfe(1.5, param_ndim=k),
+    "l2_frank_wolfe": lambda k: optclip.l2_frank_wolfe(1.5, param_ndim=k),
+    "l1q_frank_wolfe": lambda k: optclip.l1q_frank_wolfe(0.5, 1.5, param_ndim=k),
+}
+
+
+@pytest.mark.parametrize("spelling", ["pytree", "callable"])
+@pytest.mark.parametrize("name", sorted(PER_LEAF))
+def test_per_leaf_param_ndim_acts_as_each_leaf_alone(name, spelling):
+    """{"w": None, "b": -1} (whole matrix; each element of the vector): every leaf is
+    transformed as a one-leaf tree with its own ``param_ndim`` would be."""
+    ks = {"w": None, "b": -1}
+    spec = ks if spelling == "pytree" else (lambda path, leaf: ks[path[0].key])
+    grads = {"w": arr(G2), "b": arr([0.5, -2.0, 0.0])}
+    params = {"w": arr(X0), "b": arr([1.0, 3.0, -0.5])}
+    tx = PER_LEAF[name](spec)
+    out, _ = tx.update(grads, tx.init(params), params)
+    for leaf, k in ks.items():
+        alone = PER_LEAF[name](k)
+        want, _ = alone.update(grads[leaf], alone.init(params[leaf]), params[leaf])
+        np.testing.assert_allclose(np.asarray(out[leaf]), np.asarray(want), rtol=1e-6,
+                                   err_msg=leaf)
