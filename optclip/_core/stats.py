@@ -10,6 +10,7 @@ what the states already hold, so logging costs no extra pass over the gradients.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -195,3 +196,17 @@ def own_buffers(state: Any) -> Any:
         return x
 
     return jax.tree.map(own, state)
+
+
+def run_or_hold(ok: jax.Array, run: Callable[[], Any], hold: Callable[[], Any]) -> Any:
+    """``run()`` where the scalar ``ok`` holds, else ``hold()``: a step-wide gate on a wrapped
+    optimizer's whole state that costs no pass over it.
+
+    One ``lax.cond`` on the scalar: the taken branch alone runs, so ``run`` updates the state in
+    place and ``hold`` (the rare case) returns it untouched, instead of an elementwise select
+    that reads both versions of every buffer (under ``jax.vmap`` the cond becomes a select).
+    Called eagerly, the chosen branch runs op by op, bit for bit as it would alone.
+    """
+    if isinstance(ok, jax.core.Tracer):
+        return jax.lax.cond(ok, run, hold)
+    return run() if bool(ok) else hold()
