@@ -162,8 +162,9 @@ def _gated_step(inner, finite, updates, inner_state, params, extra_args, prepare
         return inner.update(g, s, params, **extra_args)
 
     def hold():
-        shapes = jax.eval_shape(run)[0]
-        return jax.tree.map(lambda x: jnp.full(x.shape, jnp.nan, x.dtype), shapes), inner_state
+        shapes = jax.eval_shape(run)
+        return (stats_lib.filled_like(shapes[0], updates, jnp.nan),
+                stats_lib.cast_like(shapes[1], inner_state))
 
     out, new_inner = stats_lib.run_or_hold(finite, run, hold)
     return _passthrough(out, updates), new_inner

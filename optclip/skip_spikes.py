@@ -317,10 +317,9 @@ def _gated_update(inner, skip, updates, inner_state, params, extra_args):
         return inner.update(updates, inner_state, params, **extra_args)
 
     def hold():
-        shapes = jax.eval_shape(accept)[0]
-        zeros = jax.tree.map(lambda s, u: jnp.zeros_like(u, s.dtype, shape=s.shape),
-                             shapes, updates)
-        return zeros, inner_state
+        shapes = jax.eval_shape(accept)
+        return (stats_lib.filled_like(shapes[0], updates, 0),
+                stats_lib.cast_like(shapes[1], inner_state))
 
     out, new_inner = stats_lib.run_or_hold(~skip, accept, hold)
     # Integer leaves pass through unchanged, as in every optclip transform.
