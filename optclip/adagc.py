@@ -146,38 +146,25 @@ def adagc(
 def _norms(updates: Any, axis_name: norms.AxisName) -> tuple[Any, jax.Array]:
     """Per-leaf L2 norms (a tree, ``None`` at non-floating leaves) and the global norm.
 
-    One pass over the gradients: each leaf's sum of squares (combined across the devices its
-    elements are split over), recomputed scale-safely only where one overflowed (one scalar
-    test for the whole tree). The global norm is combined from the leaf norms, scaled by the
-    largest, so it needs no second pass and cannot overflow either.
+    One pass over the gradients (:func:`optclip._core.norms.leaf_l2_norms`, combined across
+    the devices each leaf's elements are split over). The global norm is combined from the
+    leaf norms, scaled by the largest, so it needs no second pass and cannot overflow either.
     """
     leaves = [x for x in jax.tree.leaves(updates) if norms.is_float(x)]
     if not leaves:
         return jax.tree.map(lambda x: None, updates), jnp.zeros((), norms.stat_dtype(updates))
-    split = norms.split_axes(leaves, axis_name)
     dtype = norms.stat_dtype(updates)
-
-    def plain():
-        sums = norms.leaf_reductions(leaves, lambda x: jnp.square(x.astype(norms.acc_dtype(
-            x.dtype))))
-        sums = [norms.across(s, "sum", axes).astype(dtype) for s, axes in zip(sums, split)]
-        return norms.safe_sqrt(norms.gather_scalars(sums))
-
-    def rescaled():
-        return norms.gather_scalars([norms.leaf_norm(x, 2.0, axis_name).astype(dtype)
-                                     for x in leaves])
-
-    vector = norms.overflow_safe(plain, rescaled)
+    leaf_norms = norms.leaf_l2_norms(leaves, norms.split_axes(leaves, axis_name), dtype)
+    vector = norms.gather_scalars(leaf_norms)
     peak = jnp.max(vector)
     unit = jnp.where((peak > 0) & jnp.isfinite(peak), peak, jnp.ones_like(peak))
     total = unit * norms.safe_sqrt(jnp.sum(jnp.square(vector / unit)))
-    return _per_leaf_values(updates, vector), total
+    return _per_leaf_values(updates, leaf_norms), total
 
 
-def _per_leaf_values(tree: Any, vector: jax.Array) -> Any:
-    """Entry ``j`` of ``vector`` (in the leaf's statistics dtype) at the ``j``-th floating leaf
-    of ``tree``, ``None`` at the others."""
-    vector = norms.computed_once(vector)
-    positions = iter(range(vector.shape[0]))
-    return jax.tree.map(lambda x: vector[next(positions)].astype(norms.acc_dtype(x.dtype))
+def _per_leaf_values(tree: Any, values: list[jax.Array]) -> Any:
+    """The ``j``-th of ``values`` (in the leaf's statistics dtype) at the ``j``-th floating
+    leaf of ``tree``, ``None`` at the others."""
+    it = iter(values)
+    return jax.tree.map(lambda x: next(it).astype(norms.acc_dtype(x.dtype))
                         if norms.is_float(x) else None, tree)

@@ -472,8 +472,7 @@ def _update_rms(updates: Any, nu: Any, b2: float, correction: jax.Array, eps: fl
     ``g`` and the ``nu`` before the step: one read of both, before the adam's own pass, so that
     the per-leaf factor fuses into the adam's update. ``None`` at non-floating leaves.
 
-    Plain sums of squares, recomputed scale-safely (:func:`optclip._core.norms.leaf_norm`) only
-    where one overflowed: one scalar test for the whole tree.
+    Scale-safe sums of squares (:func:`optclip._core.norms.leaf_l2_norms`).
     """
     def ratio(g, v):
         wide = norms.acc_dtype(g.dtype)
@@ -488,19 +487,8 @@ def _update_rms(updates: Any, nu: Any, b2: float, correction: jax.Array, eps: fl
         return jax.tree.map(lambda g: None, updates)
     split = norms.split_axes([g for g, _ in pairs], axis_name)
     dtype = norms.stat_dtype(updates)
-    sizes = jnp.asarray([max(g.size * norms.axes_size(axes), 1)
-                         for (g, _), axes in zip(pairs, split)], dtype)
-
-    def plain():
-        return norms.safe_sqrt(norms.gather_scalars([
-            norms.across(jnp.sum(jnp.square(ratio(g, v))), "sum", axes).astype(dtype)
-            for (g, v), axes in zip(pairs, split)]))
-
-    def rescaled():
-        return norms.gather_scalars([
-            norms.leaf_norm(ratio(g, v), 2.0, axis_name).astype(dtype) for g, v in pairs])
-
-    rms = norms.computed_once(norms.overflow_safe(plain, rescaled) / jnp.sqrt(sizes))
-    positions = iter(range(len(pairs)))
-    return jax.tree.map(lambda g: rms[next(positions)].astype(norms.acc_dtype(g.dtype))
+    sizes = [max(g.size * norms.axes_size(axes), 1) for (g, _), axes in zip(pairs, split)]
+    roots = norms.leaf_l2_norms([ratio(g, v) for g, v in pairs], split, dtype)
+    rms = iter([r / jnp.sqrt(jnp.asarray(size, dtype)) for r, size in zip(roots, sizes)])
+    return jax.tree.map(lambda g: next(rms).astype(norms.acc_dtype(g.dtype))
                         if norms.is_float(g) else None, updates)
