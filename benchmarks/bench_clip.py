@@ -99,9 +99,11 @@ CASES: dict[str, Case] = {
     "adagc": Case("optclip.adagc()", 1, "per-leaf norms"),
     # Wrappers of adam: the construction names ``adam`` and is the whole optimizer.
     "skip_spikes": Case("optclip.skip_spikes(adam)", 1, "global norm; wraps adam"),
-    "spam_clip": Case("optclip.spam_clip(adam)", 0, "elementwise against adam's nu; wraps adam"),
-    "adamw_clip": Case("optclip.adamw_clip(adam)", 0,
-                       "elementwise from adam's moments; wraps adam"),
+    # The clipped fraction and the finiteness check: one read of g and nu before adam's pass.
+    "spam_clip": Case("optclip.spam_clip(adam)", 2,
+                      "elementwise against adam's nu; fraction reads g and nu; wraps adam"),
+    "adamw_clip": Case("optclip.adamw_clip(adam)", 2,
+                       "elementwise from adam's nu; fraction reads g and nu; wraps adam"),
     "stable_adamw_clip": Case("optclip.stable_adamw_clip(adam)", 2,
                               "per-leaf RMS(g^2/nu): reads g and nu; wraps adam"),
 }

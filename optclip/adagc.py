@@ -45,6 +45,8 @@ def adagc(
     beta: float = 0.98,
     warmup_steps: int = 100,
     eps: float = 1e-8,
+    *,
+    axis_name: norms.AxisName = None,
 ) -> optax.GradientTransformation:
     """AdaGC: clip each tensor to ``lambda_rel`` times the EMA of its own past clipped norms.
 
@@ -59,7 +61,9 @@ def adagc(
 
     The threshold of each tensor follows that tensor's own scale (embeddings, attention and
     MLP tensors differ by orders of magnitude) and its decay over training, which one global
-    threshold cannot. A step with a NaN/Inf gradient leaves the state as it was.
+    threshold cannot. A step with a NaN/Inf gradient leaves the state as it was (counted in
+    ``nonfinite``). Each step reads the gradients once for all the norms; the scaling fuses
+    into the next transformation.
 
     Args:
       lambda_abs: the warm-up's absolute (global) threshold, ``> 0``; float or schedule.
@@ -68,6 +72,10 @@ def adagc(
       beta: EMA decay of the clipped norms, in ``[0, 1)``.
       warmup_steps: steps of global clipping before the per-tensor rule, ``>= 1``.
       eps: added to the norms in the denominators, ``>= 0``.
+      axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) (a name or a tuple) the
+        leaves are split over: each tensor's norm, and the warm-up's global norm, are combined
+        across devices with ``psum``, so every device keeps the same state. Not needed under
+        ``jax.jit`` with sharded arrays.
 
     Returns:
       An ``optax.GradientTransformation``. Its state keeps one scalar per leaf; ``optclip.stats``
@@ -97,6 +105,7 @@ def adagc(
     checks.in_range("beta", beta, 0.0, 1.0, high_inclusive=False)
     checks.integer("warmup_steps", warmup_steps, low=1)
     checks.non_negative("eps", eps)
+    norms.check_axis_name(axis_name)
 
     def init_fn(params):
         return AdaGCState(
@@ -106,46 +115,56 @@ def adagc(
 
     def update_fn(updates, state, params=None):
         del params
-        leaves, (gammas,), treedef = norms.flatten_with(updates, state.gamma)
         count = state.count
         warm = count < warmup_steps
-        floats = [x for x in leaves if norms.is_float(x)]
-        leaf_norms = [norms.leaf_norm(x, 2.0) for x in floats]
-        global_norm = norms.global_norm(updates)
-        finite = stats_lib.all_finite(updates)
+        leaf_norms, global_norm = _norms(updates, axis_name)
         abs_thresh = checks.resolve(lambda_abs, count, global_norm.dtype)
         warm_scale = jnp.minimum(1.0, abs_thresh / (global_norm + eps))
 
-        outs, new_gammas, scales, leaf_norm_out = [], [], [], []
-        float_norms = iter(leaf_norms)
-        for x, gamma in zip(leaves, gammas):
-            if not norms.is_float(x):
-                outs.append(x)
-                new_gammas.append(None)
-                scales.append(None)
-                leaf_norm_out.append(None)
-                continue
-            norm = next(float_norms).astype(gamma.dtype)
+        def leaf_scale(norm, gamma):
             rel_thresh = checks.resolve(lambda_rel, count, gamma.dtype)
-            local_scale = jnp.minimum(1.0, rel_thresh * gamma / (norm + eps))
-            scale = jnp.where(warm, warm_scale.astype(gamma.dtype), local_scale)
+            local = jnp.minimum(1.0, rel_thresh * gamma / (norm + eps))
+            return jnp.where(warm, warm_scale.astype(gamma.dtype), local)
+
+        def leaf_gamma(norm, gamma, scale):
             clipped_norm = scale * norm
             warm_gamma = jnp.where(count == 0, clipped_norm, jnp.minimum(gamma, clipped_norm))
-            ema_gamma = beta * gamma + (1 - beta) * clipped_norm
-            new_gamma = jnp.where(warm, warm_gamma, ema_gamma)
-            outs.append(norms.scale(x, scale))
-            new_gammas.append(jnp.where(finite, new_gamma, gamma))
-            scales.append(scale)
-            leaf_norm_out.append(norm)
+            return jnp.where(warm, warm_gamma, beta * gamma + (1 - beta) * clipped_norm)
 
-        keep = lambda new, old: stats_lib.keep_finite(new, old)  # noqa: E731
-        scale_tree = treedef.unflatten(scales)
-        return treedef.unflatten(outs), AdaGCState(
-            count=jnp.where(finite, count + 1, count),
-            gamma=treedef.unflatten(new_gammas),
-            norm=jax.tree.map(keep, treedef.unflatten(leaf_norm_out), state.norm),
-            scale=jax.tree.map(keep, scale_tree, state.scale),
-            clipped=jax.tree.map(lambda s: s < 1, scale_tree),
-            nonfinite=stats_lib.count_nonfinite(state.nonfinite, finite))
+        scale = jax.tree.map(leaf_scale, leaf_norms, state.gamma)
+        out = jax.tree.map(lambda x, s: x if s is None else norms.scale(x, s), updates, scale)
+        new_state = AdaGCState(
+            count=count + 1, gamma=jax.tree.map(leaf_gamma, leaf_norms, state.gamma, scale),
+            norm=leaf_norms, scale=scale, clipped=jax.tree.map(lambda s: s < 1, scale),
+            nonfinite=state.nonfinite)
+        # A NaN/Inf anywhere makes the global norm non-finite: no separate pass to find it.
+        return out, stats_lib.commit(jnp.isfinite(global_norm), new_state, state)
 
     return checks.transformation(init_fn, update_fn)
+
+
+def _norms(updates: Any, axis_name: norms.AxisName) -> tuple[Any, jax.Array]:
+    """Per-leaf L2 norms (a tree, ``None`` at non-floating leaves) and the global norm.
+
+    One pass over the gradients (:func:`optclip._core.norms.leaf_l2_norms`, combined across
+    the devices each leaf's elements are split over). The global norm is combined from the
+    leaf norms, scaled by the largest, so it needs no second pass and cannot overflow either.
+    """
+    leaves = [x for x in jax.tree.leaves(updates) if norms.is_float(x)]
+    if not leaves:
+        return jax.tree.map(lambda x: None, updates), jnp.zeros((), norms.stat_dtype(updates))
+    dtype = norms.stat_dtype(updates)
+    leaf_norms = norms.leaf_l2_norms(leaves, norms.split_axes(leaves, axis_name), dtype)
+    vector = norms.gather_scalars(leaf_norms)
+    peak = jnp.max(vector)
+    unit = jnp.where((peak > 0) & jnp.isfinite(peak), peak, jnp.ones_like(peak))
+    total = unit * norms.safe_sqrt(jnp.sum(jnp.square(vector / unit)))
+    return _per_leaf_values(updates, leaf_norms), total
+
+
+def _per_leaf_values(tree: Any, values: list[jax.Array]) -> Any:
+    """The ``j``-th of ``values`` (in the leaf's statistics dtype) at the ``j``-th floating
+    leaf of ``tree``, ``None`` at the others."""
+    it = iter(values)
+    return jax.tree.map(lambda x: next(it).astype(norms.acc_dtype(x.dtype))
+                        if norms.is_float(x) else None, tree)

@@ -15,8 +15,11 @@ state built the same way). The wrapped state must hold exactly one such state.
   ``sigmas * sqrt(nu_hat)``.
 
 A step with a NaN/Inf gradient leaves the wrapped state as it was (its moments never take a
-non-finite value); its output follows the formula so that ``optax.apply_if_finite`` can drop
-it.
+non-finite value) and returns NaN updates, which ``optax.apply_if_finite`` drops. The
+statistics a transform needs before the adam runs (the clipped fraction, the per-tensor RMS,
+the finiteness check) come from one reduction over the gradients and ``nu``; the clipping or
+scaling itself fuses into the adam's own pass, and the non-finite gate is one ``lax.cond`` on a
+scalar, not a select over the moments.
 """
 
 from __future__ import annotations
@@ -95,14 +98,14 @@ def _check_inner(inner: Any) -> optax.GradientTransformationExtraArgs:
     return optax.with_extra_args_support(inner)
 
 
-def _matching_nu(updates: Any, nu: Any) -> list:
-    """The entries of ``nu`` at the floating leaves of ``updates`` (same tree structure)."""
+def _nu_tree(updates: Any, nu: Any) -> Any:
+    """``nu`` with the structure of ``updates`` (its entry at every leaf)."""
+    treedef = jax.tree.structure(updates)
     try:
-        nu_leaves = jax.tree.structure(updates).flatten_up_to(nu)
+        return treedef.unflatten(treedef.flatten_up_to(nu))
     except (ValueError, TypeError) as err:
         raise ValueError("the adam state's 'nu' does not have the structure of the updates; "
                          "wrap the optimizer that sees these updates") from err
-    return [v for x, v in zip(jax.tree.leaves(updates), nu_leaves) if norms.is_float(x)]
 
 
 def _passthrough(out: Any, updates: Any) -> Any:
@@ -117,28 +120,61 @@ def _sqrt_nu(v: jax.Array, leaf: jax.Array) -> jax.Array:
     return norms.safe_sqrt(v.astype(norms.acc_dtype(leaf.dtype)))
 
 
-def _clip_elementwise(updates: Any, thresholds: list) -> tuple[Any, jax.Array]:
-    """Clip each float leaf to ``[-thr, thr]`` (``thr`` of its shape); fraction clipped."""
-    leaves, treedef = jax.tree.flatten(updates)
-    out, hits, it = [], [], iter(thresholds)
-    for x in leaves:
-        if not norms.is_float(x):
-            out.append(x)
-            continue
-        thr = next(it)
-        wide = x.astype(norms.acc_dtype(x.dtype))
-        over = jnp.abs(wide) > thr
-        out.append(jnp.where(over, jnp.sign(wide) * thr, wide).astype(x.dtype))
-        hits.append(jnp.sum(over, dtype=jnp.float32))
-    size = sum(x.size for x in leaves if norms.is_float(x))
-    fraction = norms.tree_sum(hits) / max(size, 1)
-    return treedef.unflatten(out), fraction.astype(norms.stat_dtype(updates))
-
-
 def _bias_correction(b2: Any, count: jax.Array) -> jax.Array:
     """``1 - b2**count`` in float32 (1 where ``count`` is 0, so nothing divides by 0)."""
     count = count.astype(jnp.float32)
     return jnp.where(count > 0, 1 - jnp.asarray(b2, jnp.float32) ** count, 1.0)
+
+
+Limit = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+def _clip(g: jax.Array, v: jax.Array, limit: Limit) -> jax.Array:
+    """``g`` clipped elementwise to ``[-c, c]`` with ``c = limit(g, nu)``."""
+    thr = limit(g, v)
+    wide = g.astype(norms.acc_dtype(g.dtype))
+    return jnp.where(jnp.abs(wide) > thr, jnp.sign(wide) * thr, wide).astype(g.dtype)
+
+
+def _clip_fraction(updates: Any, nu: Any, limit: Limit, axis_name: norms.AxisName
+                   ) -> tuple[jax.Array, jax.Array]:
+    """The fraction of elements that :func:`_clip` changes, and whether every gradient is
+    finite, from one reduction per leaf (a NaN/Inf element counts as NaN)."""
+    leaves = [(g, v) for g, v in zip(jax.tree.leaves(updates), jax.tree.leaves(nu))
+              if norms.is_float(g)]
+    split = norms.split_axes([g for g, _ in leaves], axis_name)
+
+    def hits(g, v):
+        over = jnp.abs(g.astype(norms.acc_dtype(g.dtype))) > limit(g, v)
+        return jnp.sum(jnp.where(jnp.isfinite(g), over, jnp.nan), dtype=jnp.float32)
+
+    total = norms.tree_sum([hits(g, v) for g, v in leaves], split)
+    size = sum(g.size * norms.axes_size(axes) for (g, _), axes in zip(leaves, split))
+    return (total / max(size, 1)).astype(norms.stat_dtype(updates)), jnp.isfinite(total)
+
+
+def _gated_step(inner, finite, updates, inner_state, params, extra_args, prepare=None):
+    """``inner.update`` on ``prepare``'d updates and state where ``finite`` holds; else NaN
+    updates (``optax.apply_if_finite`` drops them) and ``inner_state`` as it was, via one
+    ``lax.cond`` (:func:`optclip._core.stats.run_or_hold`): no pass over the moments."""
+    def run():
+        g, s = (updates, inner_state) if prepare is None else prepare()
+        return inner.update(g, s, params, **extra_args)
+
+    def hold():
+        shapes = jax.eval_shape(run)
+        return (stats_lib.filled_like(shapes[0], updates, jnp.nan),
+                stats_lib.cast_like(shapes[1], inner_state))
+
+    out, new_inner = stats_lib.run_or_hold(finite, run, hold)
+    return _passthrough(out, updates), new_inner
+
+
+def _commit(finite: jax.Array, new: Any, old: Any) -> Any:
+    """:func:`optclip._core.stats.commit` of the wrapper's own fields; the wrapped state was
+    gated by :func:`_gated_step` already."""
+    own = stats_lib.commit(finite, new._replace(inner=None), old._replace(inner=None))
+    return own._replace(inner=new.inner)
 
 
 def spam_clip(
@@ -146,6 +182,8 @@ def spam_clip(
     threshold: checks.ScalarOrSchedule = 5000.0,
     clip_after: int = 20,
     reset_interval: int | None = None,
+    *,
+    axis_name: norms.AxisName = None,
 ) -> optax.GradientTransformationExtraArgs:
     """SPAM's spike-aware clipping (and optional momentum reset) in front of an adam.
 
@@ -166,6 +204,10 @@ def spam_clip(
       threshold: ``theta``, ``> 0``; a float or a schedule of the step count.
       clip_after: the first (1-based) step of each period with clipping, ``>= 0``.
       reset_interval: the period of the momentum reset, ``>= 1``, or ``None`` (no reset).
+      axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) (a name or a tuple) the
+        leaves are split over: the clipped fraction and the finiteness check are combined
+        across devices with ``psum``, so every device keeps the same state. Not needed under
+        ``jax.jit`` with sharded arrays.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; ``optclip.stats`` reports
@@ -195,6 +237,7 @@ def spam_clip(
     checks.positive("threshold", threshold, allow_schedule=True)
     checks.integer("clip_after", clip_after, low=0)
     checks.integer("reset_interval", reset_interval, low=1, allow_none=True)
+    norms.check_axis_name(axis_name)
 
     def init_fn(params):
         inner_state = inner.init(params)
@@ -211,32 +254,33 @@ def spam_clip(
 
     def update_fn(updates, state, params=None, **extra_args):
         step = state.count + 1
-        inner_state = state.inner
-        if reset_interval is None:
-            reset = jnp.zeros((), bool)
-            in_period = step
-        else:
-            reset = step % reset_interval == 0
-            reset_state = _map_moment_state(reset_moments, inner_state)
-            inner_state = jax.tree.map(lambda new, old: jnp.where(reset, new, old),
-                                       reset_state, inner_state)
-            in_period = step % reset_interval
+        reset = (jnp.zeros((), bool) if reset_interval is None
+                 else step % reset_interval == 0)
+        in_period = step if reset_interval is None else step % reset_interval
         active = (step >= clip_after) & (in_period >= clip_after)
-        nu = _matching_nu(updates, _moment_state(inner_state).nu)
-        floats = [x for x in jax.tree.leaves(updates) if norms.is_float(x)]
         root_theta = norms.safe_sqrt(checks.resolve(threshold, state.count,
                                                     norms.stat_dtype(updates)))
-        limits = [jnp.where(active, root_theta.astype(s.dtype) * s, jnp.inf)
-                  for s in (_sqrt_nu(v, x) for v, x in zip(nu, floats))]
-        clipped, fraction = _clip_elementwise(updates, limits)
-        out, new_inner = inner.update(clipped, inner_state, params, **extra_args)
-        finite = stats_lib.all_finite(updates)
-        return _passthrough(out, updates), SpamClipState(
-            inner=stats_lib.keep_if(finite, new_inner, state.inner),
-            count=step, clipped_fraction=fraction.astype(state.clipped_fraction.dtype),
-            clip_active=active, reset=reset & finite,
-            resets=state.resets + (reset & finite).astype(jnp.int32),
-            nonfinite=stats_lib.count_nonfinite(state.nonfinite, finite))
+        nu = _nu_tree(updates, _moment_state(state.inner).nu)
+
+        def limit(g, v):  # against the reset moments on a reset step
+            s = _sqrt_nu(jnp.where(reset, jnp.zeros_like(v), v), g)
+            return jnp.where(active, root_theta.astype(s.dtype) * s, jnp.inf)
+
+        def prepare():
+            inner_state = state.inner
+            if reset_interval is not None:
+                inner_state = stats_lib.keep_if(
+                    reset, _map_moment_state(reset_moments, inner_state), inner_state)
+            return jax.tree.map(lambda g, v: _clip(g, v, limit) if norms.is_float(g) else g,
+                                updates, nu), inner_state
+
+        fraction, finite = _clip_fraction(updates, nu, limit, axis_name)
+        out, new_inner = _gated_step(inner, finite, updates, state.inner, params, extra_args,
+                                     prepare)
+        return out, _commit(finite, SpamClipState(
+            inner=new_inner, count=step, clipped_fraction=fraction, clip_active=active,
+            reset=reset, resets=state.resets + reset.astype(jnp.int32),
+            nonfinite=state.nonfinite), state)
 
     return checks.transformation(init_fn, update_fn, extra_args=True)
 
@@ -247,6 +291,8 @@ def adamw_clip(
     min_threshold: float = 1e-10,
     warmup_steps: int = 0,
     b2: float = 0.999,
+    *,
+    axis_name: norms.AxisName = None,
 ) -> optax.GradientTransformationExtraArgs:
     """AdamWClip: clip each element at ``sigmas`` times its RMS from adam's second moment.
 
@@ -264,6 +310,10 @@ def adamw_clip(
       min_threshold: the smallest threshold, ``>= 0``.
       warmup_steps: the first steps without clipping, ``>= 0``.
       b2: the wrapped adam's ``b2`` (for the bias correction of ``nu``), in ``[0, 1)``.
+      axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) (a name or a tuple) the
+        leaves are split over: the clipped fraction and the finiteness check are combined
+        across devices with ``psum``, so every device keeps the same state. Not needed under
+        ``jax.jit`` with sharded arrays.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; ``optclip.stats`` reports
@@ -291,6 +341,7 @@ def adamw_clip(
     checks.non_negative("min_threshold", min_threshold)
     checks.integer("warmup_steps", warmup_steps, low=0)
     checks.in_range("b2", b2, 0.0, 1.0, high_inclusive=False)
+    norms.check_axis_name(axis_name)
 
     def init_fn(params):
         inner_state = inner.init(params)
@@ -301,23 +352,27 @@ def adamw_clip(
     def update_fn(updates, state, params=None, **extra_args):
         moments = _moment_state(state.inner)
         seen = moments.count  # gradients the adam has seen before this step
-        step = seen + 1
-        active = (seen > 0) & (step > warmup_steps)
+        active = (seen > 0) & (seen + 1 > warmup_steps)
         stat = norms.stat_dtype(updates)
         root_correction = jnp.sqrt(_bias_correction(b2, seen)).astype(stat)
         width = checks.resolve(sigmas, seen, stat) / root_correction
-        floats = [x for x in jax.tree.leaves(updates) if norms.is_float(x)]
-        limits = [jnp.where(active, jnp.maximum(width.astype(s.dtype) * s, min_threshold),
-                            jnp.inf)
-                  for s in (_sqrt_nu(v, x) for v, x in
-                            zip(_matching_nu(updates, moments.nu), floats))]
-        clipped, fraction = _clip_elementwise(updates, limits)
-        out, new_inner = inner.update(clipped, state.inner, params, **extra_args)
-        finite = stats_lib.all_finite(updates)
-        return _passthrough(out, updates), AdamWClipState(
-            inner=stats_lib.keep_if(finite, new_inner, state.inner),
-            clipped_fraction=fraction.astype(state.clipped_fraction.dtype), clip_active=active,
-            nonfinite=stats_lib.count_nonfinite(state.nonfinite, finite))
+        nu = _nu_tree(updates, moments.nu)
+
+        def limit(g, v):
+            s = _sqrt_nu(v, g)
+            return jnp.where(active, jnp.maximum(width.astype(s.dtype) * s, min_threshold),
+                             jnp.inf)
+
+        def prepare():
+            return jax.tree.map(lambda g, v: _clip(g, v, limit) if norms.is_float(g) else g,
+                                updates, nu), state.inner
+
+        fraction, finite = _clip_fraction(updates, nu, limit, axis_name)
+        out, new_inner = _gated_step(inner, finite, updates, state.inner, params, extra_args,
+                                     prepare)
+        return out, _commit(finite, AdamWClipState(
+            inner=new_inner, clipped_fraction=fraction, clip_active=active,
+            nonfinite=state.nonfinite), state)
 
     return checks.transformation(init_fn, update_fn, extra_args=True)
 
@@ -326,6 +381,8 @@ def stable_adamw_clip(
     inner: optax.GradientTransformation,
     b2: float = 0.999,
     eps: float = 1e-6,
+    *,
+    axis_name: norms.AxisName = None,
 ) -> optax.GradientTransformationExtraArgs:
     """StableAdamW's update clipping: divide each tensor's update by ``max(1, RMS)``.
 
@@ -337,10 +394,19 @@ def stable_adamw_clip(
     large (Adafactor's update clipping, moved into AdamW as a per-tensor learning-rate factor).
     The gradient itself, and so adam's state, is not changed.
 
+    The new ``nu`` is formed here as the adam forms it, ``b2 * nu + (1 - b2) * g**2`` from the
+    ``nu`` before the step, in one read of ``g`` and ``nu`` ahead of the adam's pass, so the
+    factor fuses into the adam's update (``b2`` must be the adam's; an adam that sees a
+    different gradient, e.g. behind a clip inside the wrapped chain, is measured against ``g``).
+
     Args:
       inner: an adam-style optimizer (see :func:`spam_clip`); extra arguments are forwarded.
-      b2: the wrapped adam's ``b2`` (for the bias correction of ``nu``), in ``[0, 1)``.
+      b2: the wrapped adam's ``b2`` (it forms ``nu_hat``), in ``[0, 1)``.
       eps: floor of ``sqrt(nu_hat)`` in the ratio, ``>= 0``.
+      axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) (a name or a tuple) the
+        leaves are split over: each tensor's sum of squared ratios is combined across
+        devices with ``psum``, so every device keeps the same state. Not needed under
+        ``jax.jit`` with sharded arrays.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; ``optclip.stats`` reports
@@ -366,48 +432,66 @@ def stable_adamw_clip(
     inner = _check_inner(inner)
     checks.in_range("b2", b2, 0.0, 1.0, high_inclusive=False)
     checks.non_negative("eps", eps)
-
-    def per_leaf(tree, value, dtype=None):
-        return jax.tree.map(
-            lambda x: jnp.full((), value, dtype or norms.acc_dtype(x.dtype))
-            if norms.is_float(x) else None, tree)
+    norms.check_axis_name(axis_name)
 
     def init_fn(params):
         inner_state = inner.init(params)
         _moment_state(inner_state)
-        return StableAdamWClipState(inner_state, per_leaf(params, 0.0), per_leaf(params, 1.0),
-                                    per_leaf(params, False, jnp.bool_),
+        return StableAdamWClipState(inner_state, _per_leaf(params, 0.0), _per_leaf(params, 1.0),
+                                    _per_leaf(params, False, jnp.bool_),
                                     jnp.zeros((), jnp.int32))
 
     def update_fn(updates, state, params=None, **extra_args):
-        out, new_inner = inner.update(updates, state.inner, params, **extra_args)
-        moments = _moment_state(new_inner)
-        correction = _bias_correction(b2, moments.count)
-        nu = iter(_matching_nu(updates, moments.nu))
-
-        def leaf_rms(g):
-            if not norms.is_float(g):
-                return None
-            wide = norms.acc_dtype(g.dtype)
-            # g / max(sqrt(nu_hat), eps), then a scale-safe root mean square: no square of a
-            # gradient or of the ratio is formed, and the root has a finite derivative at 0.
-            root_v = _sqrt_nu(next(nu), g) / jnp.sqrt(correction).astype(wide)
-            ratio = g.astype(wide) / jnp.maximum(root_v, jnp.asarray(eps, wide))
-            if not g.size:
-                return jnp.zeros((), wide)
-            return norms.root_sum_squares(ratio) / jnp.sqrt(jnp.asarray(g.size, wide))
-
-        rms = jax.tree.map(leaf_rms, updates)
+        moments = _moment_state(state.inner)
+        correction = _bias_correction(b2, moments.count + 1)
+        rms = _update_rms(updates, _nu_tree(updates, moments.nu), b2, correction, eps,
+                          axis_name)
         scale = jax.tree.map(lambda r: 1 / jnp.maximum(1.0, r), rms)
-        out_leaves, (scale_leaves,), treedef = norms.flatten_with(out, scale)
-        out = treedef.unflatten([u if s is None else norms.scale(u, s)
-                                 for u, s in zip(out_leaves, scale_leaves)])
-        finite = stats_lib.all_finite(updates)
-        keep = stats_lib.keep_finite
-        return _passthrough(out, updates), StableAdamWClipState(
-            inner=stats_lib.keep_if(finite, new_inner, state.inner),
-            rms=jax.tree.map(keep, rms, state.rms), scale=jax.tree.map(keep, scale, state.scale),
-            clipped=jax.tree.map(lambda s: s < 1, scale),
-            nonfinite=stats_lib.count_nonfinite(state.nonfinite, finite))
+        # The RMS sees every NaN/Inf of the gradients: no separate pass to find them.
+        finite = stats_lib.all_finite(rms)
+        out, new_inner = _gated_step(inner, finite, updates, state.inner, params, extra_args)
+        out = jax.tree.map(lambda o, c: o if c is None else norms.scale(o, c), out, scale)
+        return out, _commit(finite, StableAdamWClipState(
+            inner=new_inner, rms=rms, scale=scale, clipped=jax.tree.map(lambda c: c < 1, scale),
+            nonfinite=state.nonfinite), state)
 
     return checks.transformation(init_fn, update_fn, extra_args=True)
+
+
+def _per_leaf(tree: Any, value: Any, dtype=None) -> Any:
+    """A 0-d array per floating leaf (in its statistics dtype), ``None`` for the others."""
+    return jax.tree.map(
+        lambda x: jnp.full((), value, dtype or norms.acc_dtype(x.dtype))
+        if norms.is_float(x) else None, tree)
+
+
+def _update_rms(updates: Any, nu: Any, b2: float, correction: jax.Array, eps: float,
+                axis_name: norms.AxisName) -> Any:
+    """Per floating leaf, ``RMS(g / max(sqrt(nu_hat), eps))`` with ``nu_hat`` the adam's second
+    moment after it takes ``g`` in, ``(b2 nu + (1 - b2) g**2) / correction``, computed from
+    ``g`` and the ``nu`` before the step: one read of both, before the adam's own pass, so that
+    the per-leaf factor fuses into the adam's update. ``None`` at non-floating leaves.
+
+    Plain sums of squares cannot overflow here: ``nu_new >= (1 - b2) g**2``, so every ratio is
+    at most ``sqrt(correction / (1 - b2))`` in magnitude (about 32 for ``b2 = 0.999``), and a
+    ``g**2`` beyond the dtype's range makes ``nu_new`` infinite and the ratio 0.
+    """
+    def ratio(g, v):
+        wide = norms.acc_dtype(g.dtype)
+        x = g.astype(wide)
+        v_new = b2 * v.astype(wide) + (1 - b2) * jnp.square(x)
+        root = norms.safe_sqrt(v_new) / jnp.sqrt(correction).astype(wide)
+        return x / jnp.maximum(root, jnp.asarray(eps, wide))
+
+    pairs = [(g, v) for g, v in zip(jax.tree.leaves(updates), jax.tree.leaves(nu))
+             if norms.is_float(g)]
+    if not pairs:
+        return jax.tree.map(lambda g: None, updates)
+    split = norms.split_axes([g for g, _ in pairs], axis_name)
+    dtype = norms.stat_dtype(updates)
+    sizes = [max(g.size * norms.axes_size(axes), 1) for (g, _), axes in zip(pairs, split)]
+    partials = norms.leaf_reductions([ratio(g, v) for g, v in pairs], jnp.square)
+    rms = iter([norms.safe_sqrt(norms.across(p, "sum", axes).astype(dtype) / size)
+                for p, axes, size in zip(partials, split, sizes)])
+    return jax.tree.map(lambda g: next(rms).astype(norms.acc_dtype(g.dtype))
+                        if norms.is_float(g) else None, updates)

@@ -13,6 +13,8 @@ z-score statistics of ZClip (arXiv 2504.02507).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -113,6 +115,7 @@ def skip_spikes(
     loss_threshold: checks.ScalarOrSchedule | None = None,
     max_consecutive: int | None = 5,
     eps: float = 1e-8,
+    axis_name: norms.AxisName = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Skip the steps whose gradient norm (or loss) spikes; leave ``inner`` untouched on them.
 
@@ -135,9 +138,11 @@ def skip_spikes(
     statistics, so the detector follows a genuine change of scale) and counted in ``forced``;
     non-finite steps are always skipped.
 
-    ``inner`` is computed on every step and its result selected away on a skipped step (one
-    scalar select per leaf, no ``lax.cond``), so the cost of a step does not depend on the
-    outcome. On a skipped step adamw's weight decay is skipped too.
+    The decision is taken on scalars before ``inner`` runs, and one ``lax.cond`` on it either
+    runs ``inner`` (updating its state in place) or returns zeros and the state as it was: an
+    accepted step costs ``inner`` plus one read of the gradients for their norm, a skipped step
+    almost nothing (under ``jax.vmap`` the cond becomes a select and both run). On a skipped
+    step adamw's weight decay is skipped too.
 
     Args:
       inner: the transformation to protect, usually the whole optimizer (a chain ending in
@@ -153,6 +158,11 @@ def skip_spikes(
         ``threshold``. Only used on steps that pass ``loss=...``.
       max_consecutive: the most steps skipped in a row, ``>= 1``, or ``None`` for no limit.
       eps: added to the spread of the statistics, ``>= 0``.
+      axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) (a name or a tuple) the
+        gradients are split over: the norm is combined across devices with ``psum`` and a
+        ``loss`` that differs between devices is averaged over them, so every device takes the
+        same decision and keeps the same state. ``inner`` gets its own ``axis_name`` where it
+        needs one. Not needed under ``jax.jit`` with sharded arrays.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``: ``update(updates, state, params=None,
@@ -186,12 +196,12 @@ def skip_spikes(
     checks.integer("warmup_steps", warmup_steps, low=2)
     checks.integer("max_consecutive", max_consecutive, low=1, allow_none=True)
     checks.non_negative("eps", eps)
-    if detector == "zscore":
-        stats_init, score_fn, stats_update = _zscore_detector(alpha, eps)
-    else:
-        stats_init, score_fn, stats_update = _mad_detector(window, eps)
+    norms.check_axis_name(axis_name)
+    make = _zscore_detector(alpha, eps) if detector == "zscore" else _mad_detector(window, eps)
+    rule = _Rule(*make, warmup_steps=warmup_steps, threshold=threshold,
+                 loss_threshold=threshold if loss_threshold is None else loss_threshold,
+                 max_consecutive=max_consecutive)
     inner = optax.with_extra_args_support(inner)
-    loss_threshold = threshold if loss_threshold is None else loss_threshold
 
     def init_fn(params):
         dtype = norms.stat_dtype(params)
@@ -199,62 +209,118 @@ def skip_spikes(
         count = jnp.zeros((), jnp.int32)
         return stats_lib.own_buffers(SkipSpikesState(
             inner=inner.init(params), step=count, accepted=count,
-            norm_stats=stats_init(dtype), loss_stats=stats_init(dtype),
+            norm_stats=rule.init(dtype), loss_stats=rule.init(dtype),
             skipped=jnp.zeros((), bool), consecutive=count, total_skipped=count,
             score=zero, threshold=zero, norm=zero, loss_score=zero, forced=count,
             nonfinite=count))
 
-    def judge(stats, value, thresh, ready, accepted):
-        score = jnp.where(ready, score_fn(stats, value, accepted), 0).astype(value.dtype)
-        # NaN scores (a NaN value) are handled by the finiteness check, not here.
-        return score, ready & (score > thresh)
-
     def update_fn(updates, state, params=None, *, loss=None, **extra_args):
         dtype = state.norm.dtype
+        # The gradient norm also tells whether every element is finite (a NaN/Inf makes it
+        # non-finite): no separate pass over the gradients.
+        norm = norms.global_norm(updates, 2.0, axis_name).astype(dtype)
+        loss_value = None
         if loss is not None:
             extra_args["loss"] = loss
-        out, new_inner = inner.update(updates, state.inner, params, **extra_args)
+            loss_value = _common_loss(loss, dtype, axis_name)
+        verdict = rule.judge(state, norm, loss_value)
+        out, new_inner = _gated_update(inner, verdict.skip, updates, state.inner, params,
+                                       extra_args)
+        return out, rule.record(state, verdict, new_inner, norm)
 
-        norm = norms.global_norm(updates).astype(dtype)
-        finite = stats_lib.all_finite(updates)
-        ready = state.accepted >= warmup_steps
-        thresh = checks.resolve(threshold, state.step, dtype)
-        score, spike = judge(state.norm_stats, norm, thresh, ready, state.accepted)
+    return checks.transformation(init_fn, update_fn, extra_args=True)
+
+
+class _Verdict(NamedTuple):
+    skip: jax.Array         # bool: leave everything as it was
+    finite: jax.Array       # bool: the gradients (and the loss) are finite
+    forced: jax.Array       # bool: flagged, but accepted because of the cap
+    score: jax.Array        # the norm's score (the larger of the two with a loss)
+    threshold: jax.Array    # the norm's threshold in force
+    loss_score: jax.Array   # the loss's score (0 without a loss)
+    loss_stats: Any         # the loss statistics after accepting this step
+
+
+class _Rule(NamedTuple):
+    """The detector's statistics and the skip decision, on scalars only."""
+
+    init: Callable
+    score: Callable
+    update: Callable
+    warmup_steps: int
+    threshold: checks.ScalarOrSchedule
+    loss_threshold: checks.ScalarOrSchedule
+    max_consecutive: int | None
+
+    def _flag(self, stats, value, threshold, state):
+        ready = state.accepted >= self.warmup_steps
+        score = jnp.where(ready, self.score(stats, value, state.accepted), 0).astype(value.dtype)
+        # A NaN score (a NaN value) is left to the finiteness check.
+        return score, ready & (score > threshold)
+
+    def judge(self, state, norm, loss) -> _Verdict:
+        dtype = norm.dtype
+        thresh = checks.resolve(self.threshold, state.step, dtype)
+        score, spike = self._flag(state.norm_stats, norm, thresh, state)
+        finite = jnp.isfinite(norm)
         loss_score, loss_stats = jnp.zeros((), dtype), state.loss_stats
         if loss is not None:
-            loss_value = jnp.asarray(loss).astype(dtype).reshape(())
-            finite = finite & jnp.isfinite(loss_value)
-            loss_score, loss_spike = judge(state.loss_stats, loss_value,
-                                           checks.resolve(loss_threshold, state.step, dtype),
-                                           ready, state.accepted)
+            finite = finite & jnp.isfinite(loss)
+            loss_thresh = checks.resolve(self.loss_threshold, state.step, dtype)
+            loss_score, loss_spike = self._flag(state.loss_stats, loss, loss_thresh, state)
             spike = spike | loss_spike
-            loss_stats = stats_update(state.loss_stats, loss_value, state.accepted)
+            loss_stats = self.update(state.loss_stats, loss, state.accepted)
+        capped = (jnp.asarray(False) if self.max_consecutive is None
+                  else state.consecutive >= self.max_consecutive)
+        if loss is not None:
+            score = jnp.maximum(score, loss_score)
+        return _Verdict(skip=~finite | (spike & ~capped), finite=finite,
+                        forced=spike & finite & capped, score=score, threshold=thresh,
+                        loss_score=loss_score, loss_stats=loss_stats)
 
-        capped = (jnp.asarray(False) if max_consecutive is None
-                  else state.consecutive >= max_consecutive)
-        forced = spike & finite & capped
-        skip = ~finite | (spike & ~capped)
-        keep = lambda new, old: jnp.where(skip, old, new)  # noqa: E731
-        new_norm_stats = stats_update(state.norm_stats, norm, state.accepted)
-        new_state = SkipSpikesState(
-            inner=jax.tree.map(keep, new_inner, state.inner),
+    def record(self, state, verdict, new_inner, norm) -> SkipSpikesState:
+        skip = verdict.skip
+        keep = functools.partial(stats_lib.keep_if, ~skip)
+        return SkipSpikesState(
+            inner=new_inner,
             step=state.step + 1,
             accepted=state.accepted + (~skip).astype(jnp.int32),
-            norm_stats=jax.tree.map(keep, new_norm_stats, state.norm_stats),
-            loss_stats=jax.tree.map(keep, loss_stats, state.loss_stats),
+            norm_stats=keep(self.update(state.norm_stats, norm, state.accepted),
+                            state.norm_stats),
+            loss_stats=keep(verdict.loss_stats, state.loss_stats),
             skipped=skip,
             consecutive=jnp.where(skip, state.consecutive + 1, 0),
             total_skipped=state.total_skipped + skip.astype(jnp.int32),
-            score=stats_lib.keep_finite(
-                score if loss is None else jnp.maximum(score, loss_score), state.score),
-            threshold=thresh,
+            score=stats_lib.keep_finite(verdict.score, state.score),
+            threshold=verdict.threshold,
             norm=stats_lib.keep_finite(norm, state.norm),
-            loss_score=stats_lib.keep_finite(loss_score, state.loss_score),
-            forced=state.forced + forced.astype(jnp.int32),
-            nonfinite=stats_lib.count_nonfinite(state.nonfinite, finite))
-        # Integer leaves pass through unchanged, as in every optclip transform.
-        out = jax.tree.map(lambda o, u: jnp.where(skip, jnp.zeros_like(o), o)
-                           if norms.is_float(u) else u, out, updates)
-        return out, new_state
+            loss_score=stats_lib.keep_finite(verdict.loss_score, state.loss_score),
+            forced=state.forced + verdict.forced.astype(jnp.int32),
+            nonfinite=stats_lib.count_nonfinite(state.nonfinite, verdict.finite))
 
-    return checks.transformation(init_fn, update_fn, extra_args=True)
+
+def _common_loss(loss: Any, dtype, axis_name: norms.AxisName) -> jax.Array:
+    """The loss as a scalar, averaged over the devices along ``axis_name`` where it differs
+    between them, so that every device takes the same decision and keeps the same state."""
+    value = jnp.asarray(loss).astype(dtype).reshape(())
+    split = norms.split_axes([value], axis_name)[0]
+    return norms.across(value, "sum", split) / norms.axes_size(split)
+
+
+def _gated_update(inner, skip, updates, inner_state, params, extra_args):
+    """``inner.update`` on an accepted step; zeros and ``inner_state`` as it was on a skipped one.
+
+    Gated by :func:`optclip._core.stats.run_or_hold`: an accepted step runs exactly ``inner``,
+    a skipped one touches nothing; no select over the moment buffers.
+    """
+    def accept():
+        return inner.update(updates, inner_state, params, **extra_args)
+
+    def hold():
+        shapes = jax.eval_shape(accept)
+        return (stats_lib.filled_like(shapes[0], updates, 0),
+                stats_lib.cast_like(shapes[1], inner_state))
+
+    out, new_inner = stats_lib.run_or_hold(~skip, accept, hold)
+    # Integer leaves pass through unchanged, as in every optclip transform.
+    return jax.tree.map(lambda o, u: o if norms.is_float(u) else u, out, updates), new_inner

@@ -255,3 +255,19 @@ def test_threshold_schedule_is_read_at_the_step_count():
         _, state = tx.update({"g": jnp.ones(1)}, state)
     assert float(state.threshold) == 4.0
 
+
+
+def test_shard_map_loss_that_differs_between_devices_is_averaged():
+    """With ``axis_name``, a per-device loss enters the statistics as its mean over the devices,
+    so the state is the same everywhere (declared replicated, which JAX checks)."""
+    from jax.sharding import PartitionSpec as P
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    tx = optclip.skip_spikes(optax.sgd(1.0), warmup_steps=2, axis_name="x")
+
+    def body(g, loss):
+        _, state = tx.update(g, tx.init(g), loss=loss[0])
+        return state.loss_stats.mean, state.norm
+
+    mean, norm = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")),
+                                       out_specs=(P(), P())))(jnp.ones((8, 4)), jnp.arange(8.0))
+    assert float(mean) == 3.5 and float(norm) == pytest.approx(32 ** 0.5)

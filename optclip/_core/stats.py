@@ -10,6 +10,7 @@ what the states already hold, so logging costs no extra pass over the gradients.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -195,3 +196,38 @@ def own_buffers(state: Any) -> Any:
         return x
 
     return jax.tree.map(own, state)
+
+
+def run_or_hold(ok: jax.Array, run: Callable[[], Any], hold: Callable[[], Any]) -> Any:
+    """``run()`` where the scalar ``ok`` holds, else ``hold()``: a step-wide gate on a wrapped
+    optimizer's whole state that costs no pass over it.
+
+    One ``lax.cond`` on the scalar: the taken branch alone runs, so ``run`` updates the state in
+    place and ``hold`` (the rare case) returns it untouched, instead of an elementwise select
+    that reads both versions of every buffer (under ``jax.vmap`` the cond becomes a select).
+    Called eagerly, the chosen branch runs op by op, bit for bit as it would alone.
+    """
+    if isinstance(ok, jax.core.Tracer):
+        return jax.lax.cond(ok, run, hold)
+    return run() if bool(ok) else hold()
+
+
+def filled_like(shapes: Any, like: Any, value: float) -> Any:
+    """``value`` in every entry of trees shaped as ``shapes`` (``jax.eval_shape`` output), built
+    from the matching leaves of ``like`` where their shapes agree, so that the result carries
+    their shardings (and, inside ``shard_map``, their varying-axes type): the stand-in output of
+    a branch that did not run an update must have the type of the one that did."""
+    def fill(s, x):
+        if jnp.shape(x) == s.shape:
+            return jnp.full_like(x, value, dtype=s.dtype)
+        return jnp.full(s.shape, value, s.dtype)
+
+    return jax.tree.map(fill, shapes, like)
+
+
+def cast_like(shapes: Any, tree: Any) -> Any:
+    """``tree`` with each leaf in the dtype of the matching entry of ``shapes`` (a state held
+    as it was must have the types of the state an update returns: optax's adam keeps integer
+    moments for integer parameters at ``init`` and floating ones after a step)."""
+    return jax.tree.map(lambda s, x: x if jnp.result_type(x) == s.dtype else
+                        jnp.asarray(x).astype(s.dtype), shapes, tree)
