@@ -406,8 +406,7 @@ def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_
 
     def measure(updates, dtype):
         if per_leaf:
-            return running.stack([norms.leaf_norm(x, 2.0, axis_name)
-                                  for x in running.float_leaves(updates)], dtype)
+            return running.leaf_norms(updates, dtype, axis_name)
         return norms.global_norm(updates, 2.0, axis_name).astype(dtype)
 
     def diag_tree(updates, values):
@@ -495,16 +494,15 @@ def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_
         clipped = scale < 1
         # A non-finite norm leaves the whole state as it was: only counted.
         keep = lambda new, old: stats_lib.keep_if(finite, new, old)
-        last_finite = lambda new, old: stats_lib.keep_finite(
-            new, running.stack_diag(old, per_leaf, dtype))
+        last_finite = lambda new, old: running.last_finite(updates, new, old, per_leaf)
         return new_updates, state_cls(
             count=keep(jnp.minimum(count + 1, steps + 1), count),
             warmup_norms=keep(buffer, state.warmup_norms),
             criterion=keep(crit, state.criterion),
             warmup_state=keep(inner, state.warmup_state),
-            norm=diag_tree(updates, last_finite(norm, state.norm)),
-            threshold=diag_tree(updates, last_finite(threshold, state.threshold)),
-            scale=diag_tree(updates, last_finite(scale, state.scale)),
+            norm=last_finite(norm, state.norm),
+            threshold=last_finite(threshold, state.threshold),
+            scale=last_finite(scale, state.scale),
             clipped=diag_tree(updates, clipped),
             spikes=state.spikes + jnp.where(
                 finite, jnp.sum(~warm & should & clipped, dtype=jnp.int32), 0),
