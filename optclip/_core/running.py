@@ -44,13 +44,6 @@ def float_leaves(tree: Any) -> list[jax.Array]:
     return [x for x in jax.tree.leaves(tree) if norms.is_float(x)]
 
 
-def stack(scalars: list[jax.Array], dtype) -> jax.Array:
-    """Per-leaf scalars as one vector (scalars only: leaves are never concatenated)."""
-    if not scalars:
-        return jnp.zeros((0,), dtype)
-    return norms.gather_scalars([s.astype(dtype) for s in scalars])
-
-
 def _rows(vectors: tuple[jax.Array, ...], count: int) -> list[tuple[jax.Array, ...]]:
     """Entry ``j`` of every vector, for ``j < count``: one small kernel per leaf.
 
@@ -90,16 +83,6 @@ def scale_leaves(tree: Any, factors: jax.Array) -> Any:
 def leaf_norms(updates: Any, dtype, axis_name: norms.AxisName = None) -> jax.Array:
     """L2 norm of every float leaf of ``updates``, as one vector in ``dtype``."""
     return norms.leaf_norms(float_leaves(updates), axis_name).astype(dtype)
-
-
-def last_finite(updates: Any, new: jax.Array, old: Any, per_leaf: bool) -> Any:
-    """A diagnostic after a step: entries of ``new`` (one per float leaf of ``updates``, or a
-    scalar) where finite, else the ``old`` entry; per leaf a tree mirroring ``updates``, each
-    entry selected leaf by leaf (no vector rebuilt from the old tree)."""
-    if not per_leaf:
-        return jnp.where(jnp.isfinite(new), new, old)
-    return jax.tree.map(lambda n, o: jnp.where(jnp.isfinite(n), n, o),
-                        per_leaf_tree(updates, new), old)
 
 
 def apply_scale(updates: Any, factor: jax.Array, per_leaf: bool, old: dict[str, Any],
