@@ -88,8 +88,7 @@ def _autoclip(threshold_fn, history_length, global_threshold, state_cls, axis_na
         if global_threshold:
             norm = norms.global_norm(updates, 2.0, axis_name).astype(dtype)
         else:
-            norm = running.stack([norms.leaf_norm(x, 2.0, axis_name)
-                                  for x in running.float_leaves(updates)], dtype)
+            norm = running.leaf_norms(updates, dtype, axis_name)
         # The threshold comes from past norms only; none while the history is
         # empty, so call 1 is never clipped.
         threshold = jnp.where(
@@ -100,17 +99,13 @@ def _autoclip(threshold_fn, history_length, global_threshold, state_cls, axis_na
         finite = jnp.all(jnp.isfinite(norm))
         # autoclip records inf/NaN norms, poisoning the window for history_length calls.
         keep = lambda new, old: jnp.where(finite, new, old)
-        last_finite = lambda new, old: stats_lib.keep_finite(
-            new, running.stack_diag(old, per_leaf, dtype))
-        return running.scale_leaves(updates, scale), state_cls(
+        new_updates, diag = running.apply_scale(
+            updates, scale, per_leaf, state._asdict(), norm=norm, scale=scale,
+            threshold=jnp.where(jnp.isinf(threshold), norm, threshold))
+        return new_updates, state_cls(
             pos=keep((state.pos + 1) % history_length, state.pos),
             filled=keep(jnp.minimum(state.filled + 1, history_length), state.filled),
-            history=keep(history, state.history),
-            norm=diag_tree(updates, last_finite(norm, state.norm)),
-            threshold=diag_tree(updates, last_finite(
-                jnp.where(jnp.isinf(threshold), norm, threshold), state.threshold)),
-            scale=diag_tree(updates, last_finite(scale, state.scale)),
-            clipped=diag_tree(updates, scale < 1),
+            history=keep(history, state.history), **diag,
             nonfinite=state.nonfinite + (~finite).astype(jnp.int32),
             step=stats_lib.step_count(state.step, finite))
 

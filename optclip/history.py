@@ -384,8 +384,9 @@ def _warmup_statistics(buffer: jax.Array, steps: int) -> tuple[jax.Array, jax.Ar
     return mean, running.saturate(jnp.sum((buffer - mean[..., None]) ** 2, axis=-1) / (steps - 1))
 
 
-def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_leaf,
-               axis_name=None):
+def _check_hist_args(criterion, warmup_transform, warmup_steps, feedback, parity, axis_name
+                     ) -> Criterion:
+    """Construction-time validation; returns the criterion (a fresh default for ``None``)."""
     norms.check_axis_name(axis_name)
     if criterion is None:
         criterion = zscore_criterion()
@@ -400,24 +401,56 @@ def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_
     # drytorch accepts 0 warm-up steps and starts the statistics from 0.
     checks.integer("warmup_steps", warmup_steps, low=1 if parity == "fixed" else 0)
     checks.one_of("feedback", feedback, ("raw", "clip_value"))
+    return criterion
+
+
+def _per_leaf_warmup(transform, updates, inner_states: tuple, params) -> tuple[Any, tuple]:
+    """``transform`` applied to every float leaf on its own (one inner state per leaf)."""
+    floats = running.float_leaves(updates)
+    param_leaves = (running.float_leaves(params) if params is not None
+                    else [None] * len(inner_states))
+    results = [transform.update(x, s, p) for x, s, p in zip(floats, inner_states, param_leaves)]
+    outs = iter([out for out, _ in results])
+    new_updates = jax.tree.map(lambda x: next(outs) if norms.is_float(x) else x, updates)
+    return new_updates, tuple(s for _, s in results)
+
+
+def _judge(criterion: Criterion, state, norm: jax.Array, steps: int, feedback: str):
+    """The criterion's verdict on ``norm`` after the warm-up and its state after this call.
+
+    Call N + 1 installs the warm-up statistics and is the first judged. Returns
+    ``(criterion state, should clip, scale, clip value)``.
+    """
+    dtype = state.warmup_norms.dtype
+    count, warm = state.count, state.count < steps
+    mean, variance = _warmup_statistics(state.warmup_norms, steps)
+    crit = stats_lib.keep_if(count == steps,
+                             criterion.set_statistics(state.criterion, mean, variance),
+                             state.criterion)
+    should = criterion.should_clip(crit, norm)
+    value = criterion.clip_value(crit, norm)
+    scale = jnp.where(should, running.torch_clip_factor(value, norm), 1).astype(dtype)
+    # drytorch feeds the raw norm back; "clip_value" feeds ZClip-style the clip value.
+    fed = jnp.where(should, value, norm) if feedback == "clip_value" else norm
+    crit = stats_lib.keep_if(warm, state.criterion, criterion.update(crit, fed))
+    return crit, should, scale, value.astype(dtype)
+
+
+def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_leaf,
+               axis_name=None):
+    criterion = _check_hist_args(criterion, warmup_transform, warmup_steps, feedback, parity,
+                                 axis_name)
     steps = warmup_steps
-    buffer_size = max(steps, 1)
     state_cls = ParamHistClipState if per_leaf else HistClipState
 
     def measure(updates, dtype):
         if per_leaf:
-            return running.stack([norms.leaf_norm(x, 2.0, axis_name)
-                                  for x in running.float_leaves(updates)], dtype)
+            return running.leaf_norms(updates, dtype, axis_name)
         return norms.global_norm(updates, 2.0, axis_name).astype(dtype)
-
-    def diag_tree(updates, values):
-        return running.per_leaf_tree(updates, values) if per_leaf else values
 
     def init_fn(params):
         dtype = norms.stat_dtype(params)
         batch = (len(running.float_leaves(params)),) if per_leaf else ()
-        crit_state = jax.tree.map(lambda x: jnp.broadcast_to(x, batch + x.shape),
-                                  criterion.init(dtype))
         if warmup_transform is None:
             inner = optax.EmptyState()
         elif per_leaf:
@@ -425,90 +458,59 @@ def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_
         else:
             inner = warmup_transform.init(params)
         zeros = jnp.zeros(batch, dtype)
+        diag = (running.per_leaf_trees(params, zeros, zeros + 1, zeros > 0) if per_leaf
+                else (zeros, zeros + 1, zeros > 0))
         return stats_lib.own_buffers(state_cls(
             count=jnp.zeros([], jnp.int32),
-            warmup_norms=jnp.zeros(batch + (buffer_size,), dtype),
-            criterion=crit_state, warmup_state=inner,
-            norm=diag_tree(params, zeros), threshold=diag_tree(params, zeros),
-            scale=diag_tree(params, zeros + 1), clipped=diag_tree(params, zeros > 0),
-            spikes=jnp.zeros([], jnp.int32), nonfinite=jnp.zeros([], jnp.int32)))
+            warmup_norms=jnp.zeros(batch + (max(steps, 1),), dtype),
+            criterion=jax.tree.map(lambda x: jnp.broadcast_to(x, batch + x.shape),
+                                   criterion.init(dtype)),
+            warmup_state=inner, norm=diag[0], threshold=diag[0], scale=diag[1],
+            clipped=diag[2], spikes=jnp.zeros([], jnp.int32), nonfinite=jnp.zeros([], jnp.int32)))
 
-    def warmup_output(updates, state, params):
+    def warm_phase(updates, state, params, norm, crit_scale, threshold):
+        """Output, inner state, scale and threshold, each picked for warm-up or not."""
+        warm = state.count < steps
+        if warmup_transform is None:  # drytorch GradNormClipper(1): torch's rule at 1.0
+            scale = jnp.where(warm, running.torch_clip_factor(jnp.ones_like(norm), norm),
+                              crit_scale)
+            threshold = jnp.where(warm, jnp.ones_like(threshold), threshold)
+            return None, state.warmup_state, scale, threshold
         if per_leaf:
-            leaves, treedef = jax.tree.flatten(updates)
-            param_leaves = (running.float_leaves(params) if params is not None
-                            else [None] * len(state.warmup_state))
-            outs, inner, j = [], [], 0
-            for x in leaves:
-                if norms.is_float(x):
-                    out, s = warmup_transform.update(x, state.warmup_state[j], param_leaves[j])
-                    outs.append(out)
-                    inner.append(s)
-                    j += 1
-                else:
-                    outs.append(x)
-            return treedef.unflatten(outs), tuple(inner)
-        return warmup_transform.update(updates, state.warmup_state, params)
+            warm_updates, inner = _per_leaf_warmup(warmup_transform, updates,
+                                                   state.warmup_state, params)
+        else:
+            warm_updates, inner = warmup_transform.update(updates, state.warmup_state, params)
+        crit_updates = running.scale_leaves(updates, crit_scale)
+        out = jax.tree.map(
+            lambda w, c: jnp.where(warm, w.astype(c.dtype), c) if norms.is_float(c) else c,
+            warm_updates, crit_updates)
+        return (out, stats_lib.keep_if(warm, inner, state.warmup_state),
+                jnp.where(warm, jnp.ones_like(crit_scale), crit_scale),
+                jnp.where(warm, norm, threshold))
 
     def update_fn(updates, state, params=None):
         dtype = state.warmup_norms.dtype
         norm = measure(updates, dtype)
-        count = state.count
-        warm = count < steps
-
-        # Warm-up: record the raw norm; the criterion is neither read nor updated.
-        buffer = state.warmup_norms
+        count, warm = state.count, state.count < steps
+        buffer = state.warmup_norms  # warm-up: record the raw norm; no criterion involved
         if steps >= 1:
-            recorded = buffer.at[..., jnp.minimum(count, steps - 1)].set(norm)
-            buffer = jnp.where(warm, recorded, buffer)
-
-        # Call N + 1 installs the warm-up statistics and is judged by the criterion.
-        mean, variance = _warmup_statistics(state.warmup_norms, steps)
-        crit = stats_lib.keep_if(count == steps,
-                           criterion.set_statistics(state.criterion, mean, variance),
-                           state.criterion)
-        should = criterion.should_clip(crit, norm)
-        value = criterion.clip_value(crit, norm)
-        crit_scale = jnp.where(should, running.torch_clip_factor(value, norm), 1).astype(dtype)
-        # drytorch feeds the raw norm back; "clip_value" feeds ZClip-style the clip value.
-        fed = jnp.where(should, value, norm) if feedback == "clip_value" else norm
-        crit = stats_lib.keep_if(warm, state.criterion, criterion.update(crit, fed))
-        threshold = value.astype(dtype)
-
-        if warmup_transform is None:  # drytorch GradNormClipper(1): torch's rule at 1.0
-            warm_scale = running.torch_clip_factor(jnp.ones((), dtype), norm)
-            scale = jnp.where(warm, warm_scale, crit_scale)
-            threshold = jnp.where(warm, jnp.ones_like(threshold), threshold)
-            new_updates = running.scale_leaves(updates, scale)
-            inner = state.warmup_state
-        else:
-            warm_updates, inner = warmup_output(updates, state, params)
-            crit_updates = running.scale_leaves(updates, crit_scale)
-            new_updates = jax.tree.map(
-                lambda w, c: jnp.where(warm, w.astype(c.dtype), c) if norms.is_float(c) else c,
-                warm_updates, crit_updates)
-            inner = stats_lib.keep_if(warm, inner, state.warmup_state)
-            scale = jnp.where(warm, jnp.ones_like(crit_scale), crit_scale)
-            threshold = jnp.where(warm, norm, threshold)
-
-        finite = jnp.all(jnp.isfinite(norm))
-        clipped = scale < 1
-        # A non-finite norm leaves the whole state as it was: only counted.
-        keep = lambda new, old: stats_lib.keep_if(finite, new, old)
-        last_finite = lambda new, old: stats_lib.keep_finite(
-            new, running.stack_diag(old, per_leaf, dtype))
-        return new_updates, state_cls(
-            count=keep(jnp.minimum(count + 1, steps + 1), count),
-            warmup_norms=keep(buffer, state.warmup_norms),
-            criterion=keep(crit, state.criterion),
-            warmup_state=keep(inner, state.warmup_state),
-            norm=diag_tree(updates, last_finite(norm, state.norm)),
-            threshold=diag_tree(updates, last_finite(threshold, state.threshold)),
-            scale=diag_tree(updates, last_finite(scale, state.scale)),
-            clipped=diag_tree(updates, clipped),
-            spikes=state.spikes + jnp.where(
-                finite, jnp.sum(~warm & should & clipped, dtype=jnp.int32), 0),
-            nonfinite=state.nonfinite + (~finite).astype(jnp.int32))
+            buffer = jnp.where(warm, buffer.at[..., jnp.minimum(count, steps - 1)].set(norm),
+                               buffer)
+        crit, should, crit_scale, threshold = _judge(criterion, state, norm, steps, feedback)
+        out, inner, scale, threshold = warm_phase(updates, state, params, norm, crit_scale,
+                                                  threshold)
+        new_updates, diag = running.apply_scale(
+            updates, scale, per_leaf, state._asdict(), norm=norm, threshold=threshold,
+            scale=scale)
+        new = state._replace(
+            count=jnp.minimum(count + 1, steps + 1), warmup_norms=buffer, criterion=crit,
+            warmup_state=inner, spikes=state.spikes + jnp.sum(~warm & should & (scale < 1),
+                                                              dtype=jnp.int32))
+        # A non-finite norm leaves the statistics as they were (only counted); the
+        # diagnostics keep their last finite entries.
+        committed = stats_lib.commit(jnp.all(jnp.isfinite(norm)), new, state)
+        return (new_updates if out is None else out), committed._replace(**diag)
 
     return checks.transformation(init_fn, update_fn)
 

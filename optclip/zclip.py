@@ -128,25 +128,10 @@ def zclip(
       >>> round(float(optax.tree.norm(out)), 3), int(state.spikes)
       (0.55, 1)
     """
-    checks.in_range("alpha", alpha, 0.0, 1.0)
-    checks.positive("z_thresh", z_thresh, allow_schedule=True)
-    checks.positive("max_grad_norm", max_grad_norm, allow_none=True, allow_schedule=True)
-    checks.non_negative("eps", eps)
-    checks.positive("clip_factor", clip_factor, allow_schedule=True)
-    checks.boolean("skip_update_on_spike", skip_update_on_spike)
-    running.check_parity(parity)
-    norms.check_axis_name(axis_name)
+    mode, clip_option = _check_args(alpha, z_thresh, max_grad_norm, eps, warmup_steps, mode,
+                                    clip_option, clip_factor, skip_update_on_spike, parity,
+                                    axis_name)
     fixed = parity == "fixed"
-    checks.integer("warmup_steps", warmup_steps, low=2 if fixed else 0)
-    if not isinstance(mode, str):
-        raise TypeError(f"mode must be a string, got {mode!r}")
-    mode = mode.lower()
-    checks.one_of("mode", mode, ("zscore", "percentile"))
-    if mode == "zscore":
-        if not isinstance(clip_option, str):
-            raise TypeError(f"clip_option must be a string in zscore mode, got {clip_option!r}")
-        clip_option = clip_option.lower()
-        checks.one_of("clip_option", clip_option, ("adaptive_scaling", "mean"))
     steps = max(warmup_steps, 1)
 
     def init_fn(params):
@@ -157,42 +142,31 @@ def zclip(
             zero + 1, jnp.zeros([], bool), jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32),
             jnp.zeros([], jnp.int32)))
 
-    def update_fn(updates, state, params=None):
-        del params
-        dtype = state.mean.dtype
-        norm = norms.global_norm(updates, 2.0, axis_name).astype(dtype)
-        count = state.count
-        warm = count < steps
-        cap = None if max_grad_norm is None else checks.resolve(max_grad_norm, state.step, dtype)
-        z_limit = checks.resolve(z_thresh, state.step, dtype)
-        factor = checks.resolve(clip_factor, state.step, dtype)
-
-        # Warm-up: buffer the norm; the call that fills it starts the EMAs with
-        # the buffer's mean and population variance.
-        buffer = jnp.where(warm, state.warmup_norms.at[jnp.minimum(count, steps - 1)].set(norm),
-                           state.warmup_norms)
-        init_mean = jnp.sum(buffer) / steps
-        init_var = running.saturate(jnp.sum((buffer - init_mean) ** 2) / steps)
-        completes = warm & (count + 1 == steps)
-        warm_scale = jnp.ones((), dtype) if cap is None else running.torch_clip_factor(cap, norm)
-
-        # Active.
-        mean, var = state.mean, state.var
-        std = norms.safe_sqrt(var)
+    def rule(norm, mean, std, step, dtype):
+        """(spike, threshold, detect) of the active phase, and the resolved cap."""
+        z_limit = checks.resolve(z_thresh, step, dtype)
         if mode == "percentile":
             threshold = mean + z_limit * std
-            spike = norm > threshold
-            detect = threshold
+            spike, detect = norm > threshold, threshold
         else:
             detect = mean + z_limit * (std + eps)  # spike iff z > z_limit iff norm > detect
             z = (norm - mean) / (std + eps)
             spike = z > z_limit
-            if clip_option == "mean":
-                threshold = mean
-            else:
-                threshold = factor * (mean + z_limit * std / (z / z_limit))
+            threshold = (mean if clip_option == "mean" else checks.resolve(
+                clip_factor, step, dtype) * (mean + z_limit * std / (z / z_limit)))
         if fixed:  # a variance of 0 carries no information; detect nothing yet.
             spike = spike & ~_constant(mean, std)
+        return spike, threshold, detect
+
+    def update_fn(updates, state, params=None):
+        del params
+        dtype = state.mean.dtype
+        norm = norms.global_norm(updates, 2.0, axis_name).astype(dtype)
+        warm = state.count < steps
+        cap = None if max_grad_norm is None else checks.resolve(max_grad_norm, state.step, dtype)
+        mean, var = state.mean, state.var
+        std = norms.safe_sqrt(var)
+        spike, threshold, detect = rule(norm, mean, std, state.step, dtype)
         adaptive = jnp.where(spike, threshold, norm)
         # Python min(adaptive, cap): the first argument wins ties and NaN.
         eff = adaptive if cap is None else jnp.where(cap < adaptive, cap, adaptive)
@@ -202,32 +176,72 @@ def zclip(
             limit = jnp.where(_constant(mean, std), jnp.inf, limit)
         limit = limit if cap is None else jnp.minimum(limit, cap)
         limit = jnp.where(warm, jnp.inf if cap is None else cap, limit)
+        warm_scale = jnp.ones((), dtype) if cap is None else running.torch_clip_factor(cap, norm)
         active_scale = jnp.where(norm > eff, eff / (norm + running.TORCH_EPS), 1)
-        fed = jnp.where(spike, threshold, norm)
-        new_mean = alpha * mean + (1 - alpha) * fed
-        new_var = running.saturate(alpha * var + (1 - alpha) * (fed - new_mean) ** 2)
-        if skip_update_on_spike:
-            new_mean = jnp.where(spike, mean, new_mean)
-            new_var = jnp.where(spike, var, new_var)
-
         scale = jnp.where(warm, warm_scale, active_scale).astype(dtype)
-        new_mean = jnp.where(warm, jnp.where(completes, init_mean, mean), new_mean)
-        new_var = jnp.where(warm, jnp.where(completes, init_var, var), new_var)
+        fed = jnp.where(spike, threshold, norm)
+        buffer, new_mean, new_var = _statistics(state, norm, fed, spike, alpha, steps,
+                                                skip_update_on_spike)
+        new = ZClipState(
+            count=optax.safe_increment(state.count), warmup_norms=buffer,
+            mean=new_mean.astype(dtype), var=new_var.astype(dtype), norm=norm,
+            threshold=jnp.where(jnp.isinf(limit), norm, limit).astype(dtype), scale=scale,
+            clipped=scale < 1, spikes=state.spikes + (~warm & spike).astype(jnp.int32),
+            nonfinite=state.nonfinite, step=optax.safe_increment(state.step))
         finite = jnp.isfinite(norm)
-        keep = lambda new, old: jnp.where(finite, new, old)
-        return running.scale_leaves(updates, scale), ZClipState(
-            count=keep(optax.safe_increment(count), count),
-            warmup_norms=keep(buffer, state.warmup_norms),
-            mean=keep(new_mean.astype(dtype), mean), var=keep(new_var.astype(dtype), var),
-            norm=keep(norm, state.norm),
-            threshold=keep(jnp.where(jnp.isinf(limit), norm, limit).astype(dtype),
-                           state.threshold),
-            scale=stats_lib.keep_finite(scale, state.scale), clipped=scale < 1,
-            spikes=state.spikes + (finite & ~warm & spike).astype(jnp.int32),
-            nonfinite=state.nonfinite + (~finite).astype(jnp.int32),
-            step=stats_lib.step_count(state.step, finite))
+        # The step's own scale and flag are logged even when its norm was not finite.
+        return running.scale_leaves(updates, scale), stats_lib.commit(finite, new, state)._replace(
+            scale=stats_lib.keep_finite(scale, state.scale), clipped=scale < 1)
 
     return checks.transformation(init_fn, update_fn)
+
+
+def _check_args(alpha, z_thresh, max_grad_norm, eps, warmup_steps, mode, clip_option,
+                clip_factor, skip_update_on_spike, parity, axis_name) -> tuple[str, str | None]:
+    """Construction-time validation; returns ``mode`` and ``clip_option`` lower-cased."""
+    checks.in_range("alpha", alpha, 0.0, 1.0)
+    checks.positive("z_thresh", z_thresh, allow_schedule=True)
+    checks.positive("max_grad_norm", max_grad_norm, allow_none=True, allow_schedule=True)
+    checks.non_negative("eps", eps)
+    checks.positive("clip_factor", clip_factor, allow_schedule=True)
+    checks.boolean("skip_update_on_spike", skip_update_on_spike)
+    running.check_parity(parity)
+    norms.check_axis_name(axis_name)
+    checks.integer("warmup_steps", warmup_steps, low=2 if parity == "fixed" else 0)
+    if not isinstance(mode, str):
+        raise TypeError(f"mode must be a string, got {mode!r}")
+    mode = mode.lower()
+    checks.one_of("mode", mode, ("zscore", "percentile"))
+    if mode == "zscore":
+        if not isinstance(clip_option, str):
+            raise TypeError(f"clip_option must be a string in zscore mode, got {clip_option!r}")
+        clip_option = clip_option.lower()
+        checks.one_of("clip_option", clip_option, ("adaptive_scaling", "mean"))
+    return mode, clip_option
+
+
+def _statistics(state: ZClipState, norm: jax.Array, fed: jax.Array, spike: jax.Array,
+                alpha: float, steps: int, skip_update_on_spike: bool) -> tuple[jax.Array, ...]:
+    """The warm-up buffer and the EMAs after this call.
+
+    During the warm-up the norm is buffered; the call that fills the buffer starts the EMAs with
+    its mean and population variance. Afterwards the EMAs are fed ``fed``.
+    """
+    count, mean, var = state.count, state.mean, state.var
+    warm = count < steps
+    buffer = jnp.where(warm, state.warmup_norms.at[jnp.minimum(count, steps - 1)].set(norm),
+                       state.warmup_norms)
+    init_mean = jnp.sum(buffer) / steps
+    init_var = running.saturate(jnp.sum((buffer - init_mean) ** 2) / steps)
+    completes = warm & (count + 1 == steps)
+    new_mean = alpha * mean + (1 - alpha) * fed
+    new_var = running.saturate(alpha * var + (1 - alpha) * (fed - new_mean) ** 2)
+    if skip_update_on_spike:
+        new_mean = jnp.where(spike, mean, new_mean)
+        new_var = jnp.where(spike, var, new_var)
+    new_mean = jnp.where(warm, jnp.where(completes, init_mean, mean), new_mean)
+    new_var = jnp.where(warm, jnp.where(completes, init_var, var), new_var)
+    return buffer, new_mean, new_var
 
 
 def _constant(mean: jax.Array, std: jax.Array) -> jax.Array:

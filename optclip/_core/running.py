@@ -44,46 +44,71 @@ def float_leaves(tree: Any) -> list[jax.Array]:
     return [x for x in jax.tree.leaves(tree) if norms.is_float(x)]
 
 
-def stack(scalars: list[jax.Array], dtype) -> jax.Array:
-    """Per-leaf scalars as one vector (scalars only: leaves are never concatenated)."""
-    if not scalars:
-        return jnp.zeros((0,), dtype)
-    return norms.gather_scalars([s.astype(dtype) for s in scalars])
+def _rows(vectors: tuple[jax.Array, ...], count: int) -> list[tuple[jax.Array, ...]]:
+    """Entry ``j`` of every vector, for ``j < count``: one small kernel per leaf.
+
+    XLA:CPU compiles each distinct kernel once and reuses it for every identical one: a
+    computation per leaf that reads ``vector[j]`` is distinct for every ``j``, so compile time
+    grows with the leaf count times that computation's size. Here each leaf reads its entries
+    with one small kernel (a column of the stacked vectors, kept in memory by an optimization
+    barrier); what follows reads fixed positions of that column, identical for every leaf of a
+    shape, and is compiled once.
+    """
+    dtype = jnp.result_type(*vectors)
+    stacked = norms.computed_once(jnp.stack([v.astype(dtype) for v in vectors], axis=1))
+    columns = [norms.computed_once(stacked[j]) for j in range(count)]
+    return [tuple(c[i].astype(v.dtype) for i, v in enumerate(vectors)) for c in columns]
+
+
+def per_leaf_trees(tree: Any, *vectors: jax.Array) -> tuple[Any, ...]:
+    """For each vector, a tree mirroring ``tree``: entry ``j`` at the ``j``-th float leaf."""
+    leaves, treedef = jax.tree.flatten(tree)
+    rows = iter(_rows(vectors, sum(map(norms.is_float, leaves))))
+    per_leaf = [next(rows) if norms.is_float(x) else (None,) * len(vectors) for x in leaves]
+    return tuple(treedef.unflatten([r[i] for r in per_leaf]) for i in range(len(vectors)))
 
 
 def per_leaf_tree(tree: Any, vector: jax.Array) -> Any:
     """Entry ``j`` of ``vector`` at the position of the ``j``-th float leaf of ``tree``."""
-    leaves, treedef = jax.tree.flatten(tree)
-    out, j = [], 0
-    vector = norms.computed_once(vector)
-    for x in leaves:
-        if norms.is_float(x):
-            out.append(vector[j])
-            j += 1
-        else:
-            out.append(None)
-    return treedef.unflatten(out)
+    return per_leaf_trees(tree, vector)[0]
 
 
 def scale_leaves(tree: Any, factors: jax.Array) -> Any:
     """Multiply the ``j``-th float leaf by ``factors[j]`` (or all by one scalar factor)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    out, j = [], 0
-    factors = norms.computed_once(factors)
-    for x in leaves:
-        if norms.is_float(x):
-            out.append(norms.scale(x, factors if factors.ndim == 0 else factors[j]))
-            j += 1
-        else:
-            out.append(x)
-    return treedef.unflatten(out)
+    if factors.ndim == 0:
+        return jax.tree.map(lambda x: norms.scale(x, factors), tree)
+    return jax.tree.map(norms.scale, tree, per_leaf_tree(tree, factors))
 
 
-def stack_diag(tree: Any, per_leaf: bool, dtype) -> jax.Array:
-    """The inverse of ``per_leaf_tree`` for a diagnostics tree (``None`` leaves dropped)."""
-    if not per_leaf:
-        return tree
-    return stack(jax.tree.leaves(tree), dtype)
+def leaf_norms(updates: Any, dtype, axis_name: norms.AxisName = None) -> jax.Array:
+    """L2 norm of every float leaf of ``updates``, as one vector in ``dtype``."""
+    return norms.leaf_norms(float_leaves(updates), axis_name).astype(dtype)
+
+
+def apply_scale(updates: Any, factor: jax.Array, per_leaf: bool, old: dict[str, Any],
+                **diagnostics: jax.Array) -> tuple[Any, dict[str, Any]]:
+    """Scale ``updates`` by ``factor`` and commit the step's diagnostics.
+
+    ``factor`` and every diagnostic hold one entry per float leaf (``per_leaf``) or one scalar.
+    Returns the scaled updates and, per diagnostic name, its new value: the step's entry where
+    finite, else the ``old[name]`` entry; ``clipped`` (``factor < 1``) is added. Per leaf the
+    values are trees mirroring ``updates``, all read from the vectors by one small kernel per
+    leaf (:func:`_rows`), so the per-leaf computations stay identical across leaves.
+    """
+    names = list(diagnostics)
+    if per_leaf:
+        trees = per_leaf_trees(updates, factor, *diagnostics.values())
+        factors, values = trees[0], dict(zip(names, trees[1:]))
+        leaves, (factor_leaves,), treedef = norms.flatten_with(updates, factors)
+        scaled = treedef.unflatten([norms.scale(x, f) if f is not None else x
+                                    for x, f in zip(leaves, factor_leaves)])
+    else:
+        factors, values = factor, diagnostics
+        scaled = jax.tree.map(lambda x: norms.scale(x, factor), updates)
+    committed = {k: jax.tree.map(lambda n, o: jnp.where(jnp.isfinite(n), n, o), v, old[k])
+                 for k, v in values.items()}
+    committed["clipped"] = jax.tree.map(lambda f: f < 1, factors)
+    return scaled, committed
 
 
 def lerp(start: jax.Array, end: jax.Array, weight: Any) -> jax.Array:
