@@ -81,10 +81,11 @@ def _finite(ord: float | str, updates: Any, measured: Any, axis_name=None) -> ja
 
 
 def _advance(state, finite: jax.Array, **fields):
-    """The next state: a non-finite step counts in ``nonfinite`` and does not advance
-    ``count``, so a threshold schedule continues where the last finite step left it."""
-    return state._replace(count=stats_lib.step_count(state.count, finite),
-                          nonfinite=stats_lib.count_nonfinite(state.nonfinite, finite), **fields)
+    """The next state, committed by ``stats.commit``: a non-finite step leaves every field as it
+    was (``count`` too, so a threshold schedule continues where the last finite step left it)
+    and counts in ``nonfinite``."""
+    new = state._replace(count=optax.safe_increment(state.count), **fields)
+    return stats_lib.commit(finite, new, state)
 
 
 def _check_slices(ord: Ord, dim: Dim, inverse_dims: bool, min_size: int,
@@ -127,6 +128,18 @@ def clip_grad_value(grads: Any, value: ScalarOrSchedule) -> Any:
 def _clamp(g: jax.Array, value) -> jax.Array:
     bound = jnp.asarray(value).astype(g.dtype)
     return jnp.clip(g, -bound, bound)
+
+
+def _read_first(bound, peak: jax.Array, finite: jax.Array) -> jax.Array:
+    """The clamp bound of a leaf whose largest ``|g|`` is ``peak``: ``bound``, or ``peak`` where
+    that is smaller and the leaf finite, which clamps the same (no ``|g|`` exceeds ``peak``).
+
+    Why: the clamp then reads the leaf's statistics, so XLA computes them before it writes the
+    output; otherwise, with the gradients donated, it copies every gradient first to keep them
+    for the reductions.
+    """
+    bound = jnp.asarray(bound).astype(peak.dtype)
+    return jnp.where(finite & (peak < bound), peak, bound)
 
 
 def _clip_grad_norm(grads, max_norm, ord, dim, inverse_dims, min_size, min_norm, axis_name=None):
@@ -266,9 +279,8 @@ def clip_value(value: ScalarOrSchedule, axis_name: AxisName = None
     checks.positive("value", value, allow_schedule=True)
     norms.check_axis_name(axis_name)
 
-    def max_abs(tree):
-        return jax.tree.map(lambda g: norms.leaf_norm(g, float("inf"), axis_name)
-                            if norms.is_float(g) else None, tree)
+    def max_abs(g):
+        return norms.leaf_norm(g, float("inf"), axis_name)
 
     def init_fn(params):
         zeros = stats_lib.zeros_like_params(
@@ -281,12 +293,16 @@ def clip_value(value: ScalarOrSchedule, axis_name: AxisName = None
     def update_fn(updates, state, params=None):
         del params
         bound = checks.resolve(value, state.count)
-        measured = max_abs(updates)
-        new_updates = norms.float_map(lambda g: _clamp(g, bound), updates)
-        clipped = jax.tree.map(lambda m: m > bound, measured)
-        return new_updates, _advance(
-            state, stats_lib.all_finite(measured, axis_name),
-            max_abs=stats_lib.keep_finite(measured, state.max_abs), clipped=clipped)
+
+        def one_leaf(g):
+            if not norms.is_float(g):
+                return g, None, None, None
+            peak, finite = max_abs(g), stats_lib.leaf_finite(g)
+            return _clamp(g, _read_first(bound, peak, finite)), peak, peak > bound, finite
+
+        new_updates, peak, clipped, finite = norms.tree_unzip(one_leaf, updates, 4)
+        return new_updates, _advance(state, stats_lib.all_of(jax.tree.leaves(finite), axis_name),
+                                     max_abs=peak, clipped=clipped)
 
     return checks.transformation(init_fn, update_fn)
 

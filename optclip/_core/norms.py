@@ -309,10 +309,11 @@ def _plain_slice_norm(x: jax.Array, ord: float | str, axes: tuple[int, ...],
 def sees_nonfinite(ord: float | str) -> bool:
     """Whether a NaN or Inf element always makes the metric non-finite.
 
-    Not for ``0`` (counts non-zeros), negative orders (``|inf|**p = 0``) or ``-inf`` (the
-    minimum): with those a transform must also check the updates themselves.
+    Not for ``0`` (counts non-zeros), negative orders (``|inf|**p = 0``), ``-inf`` (the
+    minimum) or ``inf`` (XLA:CPU's fast maximum over large arrays skips NaN): with those a
+    transform must also check the updates themselves.
     """
-    return not (ord == 0.0 or ord == -math.inf or (isinstance(ord, float) and ord < 0))
+    return not (ord in (0.0, math.inf, -math.inf) or (isinstance(ord, float) and ord < 0))
 
 
 def metric_defined(ord: float | str, size: int) -> bool:
@@ -328,6 +329,30 @@ def metric_defined(ord: float | str, size: int) -> bool:
 def leaf_norm(x: jax.Array, ord: float | str, axis_name: AxisName = None) -> jax.Array:
     """Metric of a whole leaf as a 0-d array in the wide dtype (split over ``axis_name``)."""
     return slice_norm(x, ord, tuple(range(x.ndim)), split_axes([x], axis_name)[0]).reshape(())
+
+
+def leaf_norms(leaves: list[jax.Array] | Callable[[], list[jax.Array]], ord: float | str,
+               axis_name: AxisName = None) -> list[jax.Array]:
+    """:func:`leaf_norm` of each leaf, with one overflow test for all of them.
+
+    For order 2 (outside ``shard_map``/``pmap``) each leaf is reduced once, ``sqrt(Σx²)``; only
+    when some sum overflowed (one scalar test for the whole list, ``lax.cond``) are the leaves
+    measured again, scale-safe, by :func:`leaf_norm`. Per leaf, :func:`root_sum_squares` needs a
+    second, scaled reduction, which XLA:CPU runs as a second read of the leaf (and of whatever
+    it is computed from) and for which it writes out the scale factor broadcast to the leaf's
+    size. ``leaves`` may be a function building the list: leaves computed from others (an EMA
+    moved toward the update) are then rebuilt inside the rare branch rather than written out
+    for it.
+    """
+    build = leaves if callable(leaves) else (lambda: leaves)
+    if ord != 2.0 or axis_name is not None:
+        return [leaf_norm(x, ord, axis_name) for x in build()]
+    plain = [safe_sqrt(jnp.sum(jnp.square(_wide(x)))) for x in build()]
+    if not plain:
+        return []
+    overflow = jnp.any(jnp.isinf(gather_scalars(plain)))
+    return list(jax.lax.cond(overflow, lambda: [leaf_norm(x, ord) for x in build()],
+                             lambda: plain))
 
 
 # Same-shape leaves reduced by one variadic reduce, at most this many at a time (compile time
@@ -588,18 +613,31 @@ def scale_slices(
         factor = multiplier(norm)
         return jax.tree.map(lambda x: scale(x, factor), tree), norm
 
-    def one_leaf(x, leaf_dim):
+    def leaf_axes(x, leaf_dim):
         if not is_float(x):
-            return x, None
+            return None
         axes = axes_lib.reduction_axes(x.ndim, leaf_dim, inverse_dims, param_ndim=param_ndim)
         split = split_axes([x], axis_name)
         if axes is None or axes_lib.slice_size(x.shape, axes) * axes_size(split[0]) < min_size:
+            return None
+        return axes
+
+    def one_leaf(x, axes, whole_norm):
+        if not is_float(x):
+            return x, None
+        if axes is None:
             return x, jnp.zeros((), acc_dtype(x.dtype))
-        norm = slice_norm(x, ord, axes, split[0])
+        norm = (whole_norm.reshape((1,) * x.ndim) if whole_norm is not None
+                else slice_norm(x, ord, axes, split_axes([x], axis_name)[0]))
         return scale(x, multiplier(norm)), jnp.squeeze(norm, axis=axes)
 
     leaves, treedef = jax.tree.flatten(tree)
-    results = [one_leaf(x, d) for x, d in zip(leaves, axes_lib.leaf_dims(dim, tree))]
+    plan = [leaf_axes(x, d) for x, d in zip(leaves, axes_lib.leaf_dims(dim, tree))]
+    # Whole-leaf slices are measured together (one overflow test for all: leaf_norms).
+    whole = [i for i, (x, axes) in enumerate(zip(leaves, plan))
+             if axes is not None and axes == tuple(range(x.ndim))]
+    measured = dict(zip(whole, leaf_norms([leaves[i] for i in whole], ord, axis_name)))
+    results = [one_leaf(x, axes, measured.get(i)) for i, (x, axes) in enumerate(zip(leaves, plan))]
     return tuple(treedef.unflatten([r[i] for r in results]) for i in range(2))
 
 
@@ -620,3 +658,9 @@ def flatten_with(tree: Any, *others: Any) -> tuple[list, list[list], Any]:
     """
     leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: x is None)
     return leaves, [treedef.flatten_up_to(other) for other in others], treedef
+
+
+def unflatten_at(treedef: Any, values: dict[int, Any]) -> Any:
+    """The tree of ``treedef`` (from :func:`flatten_with`) with ``values[i]`` at leaf ``i`` and
+    ``None`` at the leaves ``values`` leaves out (per-leaf state of the float leaves only)."""
+    return treedef.unflatten([values.get(i) for i in range(treedef.num_leaves)])
