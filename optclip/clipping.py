@@ -11,6 +11,7 @@ threshold schedules) and the diagnostics of the last step.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -588,21 +589,35 @@ def zscore_normalize(eps: float = 1e-8, axis_name: AxisName = None
     checks.positive("eps", eps)
     norms.check_axis_name(axis_name)
 
-    def one_leaf(g):
-        if not norms.is_float(g) or g.size == 0:
-            return g
-        wide = g.astype(norms.acc_dtype(g.dtype))
-        split = norms.split_axes([g], axis_name)[0]
-        size = g.size * norms.axes_size(split)
-        mean = norms.across(jnp.sum(wide), "sum", split) / size
-        # drytorch divides by an unbiased std of NaN here: use 0.
-        # leaf_norm: finite derivative at a constant leaf, no overflow for huge elements.
-        std = norms.leaf_norm(wide, "std", axis_name) if size > 1 else jnp.zeros((), wide.dtype)
-        return ((wide - mean) / (std + eps)).astype(g.dtype)
-
     def update_fn(updates, state, params=None):
         del params
-        return jax.tree.map(one_leaf, updates), state
+        leaves, treedef = jax.tree.flatten(updates)
+        idx = [i for i, g in enumerate(leaves) if norms.is_float(g) and g.size > 0]
+        wide = {i: leaves[i].astype(norms.acc_dtype(leaves[i].dtype)) for i in idx}
+        size = {i: g.size * norms.axes_size(norms.split_axes([g], axis_name)[0])
+                for i, g in wide.items()}
+        mean = {i: norms.across(jnp.sum(g), "sum", norms.split_axes([g], axis_name)[0]) / size[i]
+                for i, g in wide.items()}
+        # std = ||g - mean|| / sqrt(n - 1), the 2-norms of all leaves reduced once each (finite
+        # derivative at a constant leaf, no overflow for huge elements). drytorch divides by an
+        # unbiased std of NaN for one element: use 0.
+        spread = dict(zip(idx, norms.leaf_norms(lambda: _centred(wide, mean), 2.0, axis_name)))
+        outputs = list(leaves)
+        for i in idx:
+            std = (spread[i] / math.sqrt(size[i] - 1) if size[i] > 1
+                   else jnp.zeros((), wide[i].dtype))
+            outputs[i] = ((wide[i] - mean[i]) / (std + eps)).astype(leaves[i].dtype)
+        return treedef.unflatten(outputs), state
 
     return checks.transformation(lambda params: optax.EmptyState(), update_fn)
 
+
+def _centred(wide: dict, mean: dict) -> list[jax.Array]:
+    """``g - mean`` per leaf, for a reduction only.
+
+    Behind an optimization barrier: XLA would otherwise share ``g - mean`` between the
+    reduction and the output and, on CPU, write it out first (a reduction reads a shared
+    operand from memory).
+    """
+    wide, mean = jax.lax.optimization_barrier((wide, mean))
+    return [g - mean[i] for i, g in wide.items()]

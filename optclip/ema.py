@@ -151,6 +151,54 @@ def _moved(x: jax.Array, e: jax.Array, first: jax.Array, beta: Any, ema_init: st
     return running.lerp(start, x, _ema_weight(beta, start.dtype))
 
 
+def _decide(a, b, r_prev, first, growth, eps, divisor_rule) -> _Step:
+    """Growth cap (``growth`` ``None``: none) on the moved EMA's norm ``b``, and the divisor of
+    an update of norm ``a``."""
+    capped, shrink = jnp.zeros(b.shape, bool), jnp.ones_like(b)
+    if growth is not None:
+        reference = jnp.where(first, b, r_prev)
+        allowed = jnp.maximum(reference * growth.astype(b.dtype), jnp.asarray(eps, b.dtype))
+        capped = b > allowed
+        shrink = jnp.where(capped, b / allowed, 1)
+        b = jnp.where(capped, allowed, b)
+    floor = _double_tiny(b.dtype)
+    divisor = divisor_rule(a.astype(b.dtype) / jnp.maximum(b, floor), floor)
+    return _Step(divisor, _output_divisor(a, divisor), b, capped, shrink)
+
+
+def _group_step(x, a, b, r_prev, first, growth, divisor_rule, ord, eps, axis_name):
+    """``(update norm, _Step, finite)`` of one group (a leaf, or the list of all leaves) whose
+    update ``x`` has norm ``a`` and whose moved EMA has norm ``b``.
+
+    ddof=1 metrics of fewer than two elements are NaN in torchzero: such a group reads as norm 0
+    here and passes unchanged, and its statistics stay finite.
+    """
+    measurable = norms.metric_defined(ord, _group_size(x, axis_name))
+    if not measurable:
+        a, b = jnp.zeros_like(a), jnp.zeros_like(b)
+    finite = jnp.isfinite(a) & jnp.isfinite(b)
+    if not (measurable and norms.sees_nonfinite(ord)):   # the norms may miss a NaN
+        finite = finite & stats_lib.all_finite(x)
+    step = _decide(a, b, r_prev, first, growth, eps, divisor_rule)
+    if not measurable:
+        step = step._replace(divisor=jnp.ones_like(step.divisor),
+                             output=jnp.ones_like(step.output))
+    return a.astype(b.dtype), step, finite
+
+
+def _norm_ema_init(params, state_cls, tensorwise: bool, ord) -> Any:
+    """The initial state of the norm-referenced EMA clippers."""
+    ema = _float_zeros(params)
+    if tensorwise:
+        scalar = jax.tree.map(lambda e: jnp.zeros((), e.dtype), ema)
+    else:
+        scalar = jnp.zeros((), jax.eval_shape(lambda t: norms.global_norm(t, ord), ema).dtype)
+    ones = jax.tree.map(jnp.ones_like, scalar)
+    flags = jax.tree.map(lambda s: jnp.zeros((), bool), scalar)
+    zero = jnp.zeros([], jnp.int32)
+    return stats_lib.own_buffers(state_cls(zero, ema, scalar, scalar, ones, flags, flags, zero))
+
+
 def _norm_by_ema(divisor_rule, state_cls, beta, ord, eps, tensorwise, max_ema_growth, ema_init,
                  axis_name):
     """``clip_norm_by_ema`` and ``normalize_by_ema``: they differ in ``divisor_rule`` only."""
@@ -161,52 +209,13 @@ def _norm_by_ema(divisor_rule, state_cls, beta, ord, eps, tensorwise, max_ema_gr
     checks.boolean("tensorwise", tensorwise)
     checks.positive("max_ema_growth", max_ema_growth, allow_none=True, allow_schedule=True)
 
-    def decide(a, b, r_prev, first, growth, measurable) -> _Step:
-        """Growth cap on the moved EMA's norm ``b`` and the divisor of an update of norm ``a``."""
-        capped, shrink = jnp.zeros(b.shape, bool), jnp.ones_like(b)
-        if max_ema_growth is not None:
-            reference = jnp.where(first, b, r_prev)
-            allowed = jnp.maximum(reference * growth.astype(b.dtype), jnp.asarray(eps, b.dtype))
-            capped = b > allowed
-            shrink = jnp.where(capped, b / allowed, 1)
-            b = jnp.where(capped, allowed, b)
-        floor = _double_tiny(b.dtype)
-        divisor = divisor_rule(a.astype(b.dtype) / jnp.maximum(b, floor), floor)
-        if not measurable:
-            divisor = jnp.ones_like(divisor)
-        return _Step(divisor, _output_divisor(a, divisor), b, capped, shrink)
-
-    def group_step(x, a, b, r_prev, first, growth):
-        """``(update norm, _Step, finite)`` of one group (a leaf, or the list of all leaves)
-        whose update ``x`` has norm ``a`` and whose moved EMA has norm ``b``.
-
-        ddof=1 metrics of fewer than two elements are NaN in torchzero: such a group reads as
-        norm 0 here and passes unchanged, and its statistics stay finite.
-        """
-        measurable = norms.metric_defined(ord, _group_size(x, axis_name))
-        if not measurable:
-            a, b = jnp.zeros_like(a), jnp.zeros_like(b)
-        finite = jnp.isfinite(a) & jnp.isfinite(b)
-        if not (measurable and norms.sees_nonfinite(ord)):   # the norms may miss a NaN
-            finite = finite & stats_lib.all_finite(x)
-        return a.astype(b.dtype), decide(a, b, r_prev, first, growth, measurable), finite
-
-    def init_fn(params):
-        ema = _float_zeros(params)
-        if tensorwise:
-            scalar = jax.tree.map(lambda e: jnp.zeros((), e.dtype), ema)
-        else:
-            scalar = jnp.zeros((), jax.eval_shape(lambda t: norms.global_norm(t, ord), ema).dtype)
-        ones = jax.tree.map(jnp.ones_like, scalar)
-        flags = jax.tree.map(lambda s: jnp.zeros((), bool), scalar)
-        zero = jnp.zeros([], jnp.int32)
-        return stats_lib.own_buffers(
-            state_cls(zero, ema, scalar, scalar, ones, flags, flags, zero))
-
     def update_fn(updates, state, params=None):
         del params
         first = state.count == 0
         growth = None if max_ema_growth is None else checks.resolve(max_ema_growth, state.count)
+
+        def group_step(x, a, b, r_prev, growth):
+            return _group_step(x, a, b, r_prev, first, growth, divisor_rule, ord, eps, axis_name)
         leaves, (old, r_prev), treedef = norms.flatten_with(
             updates, state.ema, state.ema_norm if tensorwise else state.ema)
         floats = [i for i, x in enumerate(leaves) if norms.is_float(x)]
@@ -219,12 +228,10 @@ def _norm_by_ema(divisor_rule, state_cls, beta, ord, eps, tensorwise, max_ema_gr
         if tensorwise:
             pairs = zip(floats, norms.leaf_norms(xs, ord, axis_name),
                         norms.leaf_norms(moved_leaves, ord, axis_name))
-            steps = {i: group_step(leaves[i], a, b, r_prev[i], first, growth)
-                     for i, a, b in pairs}
+            steps = {i: group_step(leaves[i], a, b, r_prev[i], growth) for i, a, b in pairs}
         else:
             whole = group_step(xs, norms.global_norm(xs, ord, axis_name),
-                               norms.global_norm(ms, ord, axis_name), state.ema_norm, first,
-                               growth)
+                               norms.global_norm(ms, ord, axis_name), state.ema_norm, growth)
             steps = {i: whole for i in floats}
         ok = stats_lib.all_of([steps[i][2] for i in floats], axis_name)
         outputs, ema = list(leaves), [None] * len(leaves)
@@ -247,7 +254,8 @@ def _norm_by_ema(divisor_rule, state_cls, beta, ord, eps, tensorwise, max_ema_gr
                         state.nonfinite)
         return treedef.unflatten(outputs), stats_lib.commit(ok, new, state)
 
-    return checks.transformation(init_fn, update_fn)
+    return checks.transformation(
+        lambda params: _norm_ema_init(params, state_cls, tensorwise, ord), update_fn)
 
 
 def _group_size(group: Any, axis_name: AxisName) -> int:
@@ -457,7 +465,9 @@ def clip_value_by_ema(
         new = ClipValueByEMAState(optax.safe_increment(state.count), ema_tree, transform_state,
                                   norms.unflatten_at(treedef, peak),
                                   norms.unflatten_at(treedef, clipped), state.nonfinite)
-        return treedef.unflatten(outputs), stats_lib.commit(ok, new, state)
+        # The EMA was committed above (the bound reads it): not a second select over it.
+        return treedef.unflatten(outputs), stats_lib.commit(ok, new, state)._replace(
+            ema=ema_tree)
 
     return checks.transformation(init_fn, update_fn)
 

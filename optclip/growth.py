@@ -143,62 +143,6 @@ def clip_value_growth(
     norms.check_axis_name(axis_name)
     identity = add is None and mul is None
 
-    def limit(wide, prev, hp):
-        """Elementwise ``(limited update, |y| before the multiplicative cap, its floor m,
-        additive excess)`` (the excess ``None`` without ``add``).
-
-        The ratio ``r = max(|y| / m, 1e-8)`` is compared as products (``r > mul`` where
-        ``|y| > mul m``) and ``y / (r / mul)`` is ``sign(y) mul m``: XLA:CPU never copies an
-        elementwise division into several passes, it writes it out first.
-        """
-        reference = jnp.abs(prev)
-        y, excess = wide, None
-        if add is not None:
-            excess = jnp.maximum(jnp.abs(wide) - reference, 0) - _const(hp.add, wide)
-            y = jnp.where(excess > 0, wide - excess * jnp.sign(wide), wide)
-        floor = reference if min_value is None else jnp.maximum(reference,
-                                                                _const(hp.min_value, y))
-        size = jnp.abs(y)
-        if mul is not None:
-            m, tiny = _const(hp.mul, y), _const(_MIN_RATIO, y)
-            capped = jnp.where(size >= tiny * floor, jnp.sign(y) * (m * floor), y * (m / tiny))
-            y = jnp.where((size > m * floor) | (m < tiny), capped, y)
-        return y, size, floor, excess
-
-    def leaf_stats(x, prev, hp):
-        """``(max ratio, limited somewhere)`` of one leaf, before anything is written."""
-        x, prev = jax.lax.optimization_barrier((x, prev))
-        _, size, floor, excess = limit(x.astype(prev.dtype), prev, hp)
-        ratio = size / floor
-        if min_value is None:   # 0/0 (zero reference and update) has no ratio; torchzero
-            ratio = jnp.where(jnp.isnan(ratio), 0, ratio)   # leaves it alone
-        max_ratio = jnp.maximum(norms.leaf_norm(ratio, float("inf"), axis_name).astype(
-            ratio.dtype), _const(_MIN_RATIO, ratio))
-        limited = jnp.zeros((), bool)
-        if mul is not None:     # ~(m <= mul): also where a NaN was kept in the maximum
-            limited = ~(max_ratio <= _const(hp.mul, max_ratio))
-        if add is not None:
-            top = norms.across(jnp.max(excess, initial=-jnp.inf), "max",
-                               norms.split_axes([x], axis_name)[0])
-            limited = limited | ~(top <= 0)
-        return max_ratio, limited
-
-    def leaf_step(x, prev, first, hp, changed):
-        """``(output, new reference)`` of one leaf. ``changed`` (a per-leaf flag that holds
-        wherever the limit changes an element) makes the output read the leaf's statistics,
-        so XLA computes them before it writes over the donated updates."""
-        wide = x.astype(prev.dtype)
-        if identity:
-            return x, wide
-        y, size, floor, _ = limit(wide, prev, hp)
-        new_prev = y
-        if max_decay is not None:   # r < 1 / max_decay
-            decay = _const(hp.max_decay, y)
-            slow = (size * decay < floor) & (decay * _const(_MIN_RATIO, y) < 1)
-            new_prev = jnp.where(slow, prev / decay, y)
-        out = jnp.where(first | ~changed, wide, y).astype(x.dtype)
-        return out, jnp.where(first, wide, new_prev)
-
     def init_fn(params):
         prev = stats_lib.zeros_like_params(lambda t: jax.tree.map(
             lambda x: x.astype(norms.acc_dtype(x.dtype)) if norms.is_float(x) else None, t),
@@ -218,11 +162,11 @@ def clip_value_growth(
         if identity:
             stats = {i: (jnp.ones((), prevs[i].dtype), jnp.zeros((), bool)) for i in floats}
         else:
-            stats = {i: leaf_stats(leaves[i], prevs[i], hp) for i in floats}
+            stats = {i: _value_stats(leaves[i], prevs[i], hp, axis_name) for i in floats}
         outputs, new_prev = list(leaves), [None] * len(leaves)
         for i in floats:
             changed = stats[i][1] | ~finite[i]
-            outputs[i], new_prev[i] = leaf_step(leaves[i], prevs[i], first, hp, changed)
+            outputs[i], new_prev[i] = _value_step(leaves[i], prevs[i], first, hp, changed)
         ok = stats_lib.all_of(list(finite.values()), axis_name)
         if _may_overflow(max_decay):    # a reference growing by 1 / max_decay per step
             ok = ok & stats_lib.all_finite([new_prev[i] for i in floats], axis_name)
@@ -235,6 +179,66 @@ def clip_value_growth(
         return treedef.unflatten(outputs), stats_lib.commit(ok, new, state)
 
     return checks.transformation(init_fn, update_fn)
+
+
+def _value_limit(wide: jax.Array, prev: jax.Array, hp: _Limits):
+    """clip_value_growth, elementwise: ``(limited update, |y| before the multiplicative cap,
+    its floor m, additive excess)`` (the excess ``None`` without ``add``).
+
+    The ratio ``r = max(|y| / m, 1e-8)`` is compared as products (``r > mul`` where
+    ``|y| > mul m``) and ``y / (r / mul)`` is ``sign(y) mul m``: XLA:CPU never copies an
+    elementwise division into several passes, it writes it out first.
+    """
+    reference = jnp.abs(prev)
+    y, excess = wide, None
+    if hp.add is not None:
+        excess = jnp.maximum(jnp.abs(wide) - reference, 0) - _const(hp.add, wide)
+        y = jnp.where(excess > 0, wide - excess * jnp.sign(wide), wide)
+    floor = (reference if hp.min_value is None
+             else jnp.maximum(reference, _const(hp.min_value, y)))
+    size = jnp.abs(y)
+    if hp.mul is not None:
+        m, tiny = _const(hp.mul, y), _const(_MIN_RATIO, y)
+        capped = jnp.where(size >= tiny * floor, jnp.sign(y) * (m * floor), y * (m / tiny))
+        y = jnp.where((size > m * floor) | (m < tiny), capped, y)
+    return y, size, floor, excess
+
+
+def _value_stats(x: jax.Array, prev: jax.Array, hp: _Limits, axis_name: AxisName):
+    """``(max ratio, limited somewhere)`` of one leaf, before anything is written."""
+    x, prev = jax.lax.optimization_barrier((x, prev))
+    _, size, floor, excess = _value_limit(x.astype(prev.dtype), prev, hp)
+    ratio = size / floor
+    if hp.min_value is None:   # 0/0 (zero reference and update) has no ratio; torchzero
+        ratio = jnp.where(jnp.isnan(ratio), 0, ratio)   # leaves it alone
+    max_ratio = jnp.maximum(norms.leaf_norm(ratio, float("inf"), axis_name).astype(
+        ratio.dtype), _const(_MIN_RATIO, ratio))
+    limited = jnp.zeros((), bool)
+    if hp.mul is not None:     # ~(m <= mul): also where a NaN was kept in the maximum
+        limited = ~(max_ratio <= _const(hp.mul, max_ratio))
+    if hp.add is not None:
+        top = norms.across(jnp.max(excess, initial=-jnp.inf), "max",
+                           norms.split_axes([x], axis_name)[0])
+        limited = limited | ~(top <= 0)
+    return max_ratio, limited
+
+
+def _value_step(x: jax.Array, prev: jax.Array, first: jax.Array, hp: _Limits,
+                changed: jax.Array):
+    """``(output, new reference)`` of one leaf. ``changed`` (a per-leaf flag that holds
+    wherever the limit changes an element) makes the output read the leaf's statistics,
+    so XLA computes them before it writes over the donated updates."""
+    wide = x.astype(prev.dtype)
+    if hp.add is None and hp.mul is None:   # the identity
+        return x, wide
+    y, size, floor, _ = _value_limit(wide, prev, hp)
+    new_prev = y
+    if hp.max_decay is not None:   # r < 1 / max_decay
+        decay = _const(hp.max_decay, y)
+        slow = (size * decay < floor) & (decay * _const(_MIN_RATIO, y) < 1)
+        new_prev = jnp.where(slow, prev / decay, y)
+    out = jnp.where(first | ~changed, wide, y).astype(x.dtype)
+    return out, jnp.where(first, wide, new_prev)
 
 
 def clip_norm_growth(
@@ -306,18 +310,6 @@ def clip_norm_growth(
     norms.check_axis_name(axis_name)
     state_cls = ClipNormGrowthState if parameterwise else ClipNormGrowthGlobalState
 
-    def init_fn(params):
-        if parameterwise:
-            scalar = jax.tree.map(lambda x: jnp.zeros((), norms.acc_dtype(x.dtype))
-                                  if norms.is_float(x) else None, params)
-        else:
-            scalar = jnp.zeros((), jax.eval_shape(lambda t: norms.global_norm(t, ord),
-                                                  params).dtype)
-        zero = jnp.zeros([], jnp.int32)
-        return stats_lib.own_buffers(state_cls(
-            zero, scalar, scalar, jax.tree.map(jnp.ones_like, scalar),
-            jax.tree.map(lambda s: jnp.zeros((), bool), scalar), zero))
-
     def group_step(x, n, prev, first, hp):
         """``(divisor, next reference, finite)`` of a group (a leaf or the list of all leaves)
         of norm ``n``."""
@@ -362,7 +354,21 @@ def clip_norm_growth(
                         jax.tree.map(lambda d: d > 1, per_leaf(1)), state.nonfinite)
         return treedef.unflatten(outputs), stats_lib.commit(ok, new, state)
 
-    return checks.transformation(init_fn, update_fn)
+    return checks.transformation(
+        lambda params: _norm_growth_init(params, state_cls, parameterwise, ord), update_fn)
+
+
+def _norm_growth_init(params, state_cls, parameterwise: bool, ord) -> Any:
+    """The initial state of :func:`clip_norm_growth`."""
+    if parameterwise:
+        scalar = jax.tree.map(lambda x: jnp.zeros((), norms.acc_dtype(x.dtype))
+                              if norms.is_float(x) else None, params)
+    else:
+        scalar = jnp.zeros((), jax.eval_shape(lambda t: norms.global_norm(t, ord), params).dtype)
+    zero = jnp.zeros([], jnp.int32)
+    return stats_lib.own_buffers(state_cls(
+        zero, scalar, scalar, jax.tree.map(jnp.ones_like, scalar),
+        jax.tree.map(lambda s: jnp.zeros((), bool), scalar), zero))
 
 
 def _norm_limit(n: jax.Array, prev: jax.Array, first: jax.Array, hp: _Limits
