@@ -619,5 +619,7 @@ def _centred(wide: dict, mean: dict) -> list[jax.Array]:
     reduction and the output and, on CPU, write it out first (a reduction reads a shared
     operand from memory).
     """
-    wide, mean = jax.lax.optimization_barrier((wide, mean))
-    return [g - mean[i] for i, g in wide.items()]
+    # One barrier per leaf: inside shard_map a joint one would mark every leaf as varying over
+    # the mesh axes of any one of them (a replicated bias would be summed across devices).
+    pairs = [jax.lax.optimization_barrier((g, mean[i])) for i, g in wide.items()]
+    return [g - m for g, m in pairs]
