@@ -49,18 +49,16 @@ class L1qFrankWolfeState(NamedTuple):
     nonfinite: jax.Array
 
 
-def _l1_lmo(g: jax.Array, axes: tuple[int, ...]) -> jax.Array:
-    """One-hot ``sign(g_i*) e_i*`` at the first argmax of ``|g|`` of every flattened slice.
+def _l1_lmo(g: jax.Array, axes: tuple[int, ...], split: tuple[str, ...], k: Any) -> jax.Array:
+    """One-hot ``sign(g_i*) e_i*`` at the first largest ``|g|`` of every flattened slice (the
+    top-1 entry, found as :func:`top_q`'s ranking finds it, also for slices split over devices).
 
     rai_toolbox 0.2.1 takes the argmax along the first reduced axis only, which is wrong for
     slices of two or more axes.
     """
-    rows = slices.slice_rows(g, axes)
-    if rows.shape[-1] == 0:
-        return g
-    first = jnp.argmax(jnp.abs(rows), axis=-1, keepdims=True)
-    onehot = slices.slice_mask(jnp.arange(rows.shape[-1]) == first, g)
-    return jnp.where(onehot, slices.sign(g), jnp.zeros_like(g))
+    if axes_lib.slice_size(g.shape, axes) * norms.axes_size(split) <= 1:
+        return slices.sign(g)
+    return slices.sign(slices.top_q_kept(g, axes, 1, split))
 
 
 def _fw_coefficients(count: jax.Array, learning_rate: Any, scaling: Any, schedule: bool,
@@ -93,17 +91,38 @@ def _fw_step(p: jax.Array, direction: jax.Array, a: jax.Array, b: jax.Array) -> 
     return p_new - p
 
 
-def _check_fw(learning_rate: Any, use_default_lr_schedule: Any, eps: Any) -> None:
+def _check_fw(learning_rate: Any, use_default_lr_schedule: Any, eps: Any,
+              axis_name: Any) -> None:
     checks.boolean("use_default_lr_schedule", use_default_lr_schedule)
     high = None if use_default_lr_schedule else 1.0
     checks.in_range("learning_rate", learning_rate, 0.0, high)
     checks.non_negative("eps", eps)
+    norms.check_axis_name(axis_name)
+
+
+def _check_ball(epsilon: Any, learning_rate: Any, use_default_lr_schedule: Any, param_ndim: Any,
+                eps: Any, axis_name: Any) -> None:
+    """Validation shared by the Frank-Wolfe transforms over a ball of radius ``epsilon``."""
+    checks.non_negative("epsilon", epsilon, allow_schedule=True)
+    _check_fw(learning_rate, use_default_lr_schedule, eps, axis_name)
+    axes_lib.check_param_ndim_spec(param_ndim)
+
+
+def _fw_leaves(updates: Any, params: Any, lmo, cut: slices.Slicing, k_of: list, a: jax.Array,
+               b: jax.Array) -> Any:
+    """``p_new - p`` for every float leaf, with ``direction = lmo(g, axes, split, k)``."""
+    leaves, treedef = jax.tree.flatten(updates)
+    steps = [_fw_step(p, lmo(g, axes, split, k), a, b).astype(g.dtype) if norms.is_float(g) else g
+             for g, p, axes, split, k in zip(leaves, treedef.flatten_up_to(params), cut.axes,
+                                             cut.split, k_of, strict=True)]
+    return treedef.unflatten(steps)
 
 
 def _frank_wolfe(name: str, lmo, scaling: Any, learning_rate: Any, schedule: bool,
-                 fw_eps: Any, param_ndim: int | None, fraction: slices.DropFraction | None
-                 ) -> optax.GradientTransformation:
-    """Frank-Wolfe with ``direction = lmo(g, axes, k)``; ``fraction`` for the L1q LMO only."""
+                 fw_eps: Any, param_ndim: Any, axis_name: norms.AxisName,
+                 fraction: slices.DropFraction | None = None) -> optax.GradientTransformation:
+    """Frank-Wolfe with ``direction = lmo(g, axes, split, k)``; ``fraction`` draws the L1q
+    ``k`` per leaf (its state is :class:`L1qFrankWolfeState`)."""
 
     def init_fn(params):
         head = (jnp.zeros([], jnp.int32), jnp.zeros([], norms.stat_dtype(params)))
@@ -119,31 +138,26 @@ def _frank_wolfe(name: str, lmo, scaling: Any, learning_rate: Any, schedule: boo
         alpha, a, b = _fw_coefficients(state.count, learning_rate, scale_now, schedule, fw_eps,
                                        state.alpha.dtype)
         leaves, treedef = jax.tree.flatten(updates)
-        param_leaves = treedef.flatten_up_to(params)
-        axes_of = slices.leaf_axes(leaves, updates, param_ndim)
-        finite = stats_lib.all_finite(updates)
+        cut = slices.slicing(leaves, updates, param_ndim, axis_name)
+        head = (optax.safe_increment(state.count), alpha)
         if fraction is None:
             k_of = [None] * len(leaves)
-            new_state = FrankWolfeState(optax.safe_increment(state.count), alpha,
-                                        state.nonfinite)
+            new_state = FrankWolfeState(*head, state.nonfinite)
         else:
-            key, q_of, k_of = fraction.draw(state.key, leaves, axes_of)
-            new_state = L1qFrankWolfeState(
-                optax.safe_increment(state.count), alpha, key, treedef.unflatten(q_of),
-                treedef.unflatten(slices.k_arrays(k_of)), state.nonfinite)
-        new_leaves = [_fw_step(p, lmo(g, axes, k), a, b).astype(g.dtype)
-                      if norms.is_float(g) else g
-                      for g, axes, k, p in zip(leaves, axes_of, k_of, param_leaves, strict=True)]
-        new_state = stats_lib.keep_if(finite, new_state, state)
-        return treedef.unflatten(new_leaves), new_state._replace(
-            nonfinite=stats_lib.count_nonfinite(state.nonfinite, finite))
+            key, q_of, k_of = fraction.draw(state.key, leaves, cut.sizes)
+            new_state = L1qFrankWolfeState(*head, key, treedef.unflatten(q_of),
+                                           treedef.unflatten(slices.k_arrays(k_of)),
+                                           state.nonfinite)
+        new_updates = _fw_leaves(updates, params, lmo, cut, k_of, a, b)
+        finite = stats_lib.all_finite(updates, axis_name)
+        return new_updates, stats_lib.commit(finite, new_state, state)
 
     return checks.transformation(init_fn, update_fn)
 
 
 def frank_wolfe(lmo_scaling_factor: float = 1.0, learning_rate: float = 2.0,
-                use_default_lr_schedule: bool = True, eps: float = slices.TINY
-                ) -> optax.GradientTransformation:
+                use_default_lr_schedule: bool = True, eps: float = slices.TINY, *,
+                axis_name: norms.AxisName = None) -> optax.GradientTransformation:
     """The Frank-Wolfe step on updates that already hold the (negative) LMO direction ``ĝ``.
 
     ``p <- (1 - α) p - α c ĝ`` with ``c = lmo_scaling_factor`` and, with the default schedule,
@@ -161,6 +175,9 @@ def frank_wolfe(lmo_scaling_factor: float = 1.0, learning_rate: float = 2.0,
       learning_rate: ``lr``, ``>= 0`` (``<= 1`` when the schedule is off).
       use_default_lr_schedule: use ``α_t = lr / (lr + t)`` instead of a constant ``lr``.
       eps: lower bound of the schedule's divisor, ``>= 0``.
+      axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) the leaves are split over:
+        the step is elementwise; only the non-finite check is combined across devices, so
+        ``count`` is the same on every device.
 
     Returns:
       An ``optax.GradientTransformation`` whose state holds the step ``count`` and logs the
@@ -182,24 +199,15 @@ def frank_wolfe(lmo_scaling_factor: float = 1.0, learning_rate: float = 2.0,
       [-0.333333, -0.5]
     """
     slices.check_real("lmo_scaling_factor", lmo_scaling_factor)
-    _check_fw(learning_rate, use_default_lr_schedule, eps)
-    return _frank_wolfe("frank_wolfe", lambda g, axes, k: g, lmo_scaling_factor, learning_rate,
-                        use_default_lr_schedule, eps, None, None)
-
-
-def _fw_family(name: str, lmo, epsilon, learning_rate, use_default_lr_schedule, param_ndim,
-               eps, *, eps_to_fw: bool, fraction: slices.DropFraction | None = None
-               ) -> optax.GradientTransformation:
-    checks.non_negative("epsilon", epsilon, allow_schedule=True)
-    _check_fw(learning_rate, use_default_lr_schedule, eps)
-    axes_lib.check_param_ndim_spec(param_ndim)
-    return _frank_wolfe(name, lmo, epsilon, learning_rate, use_default_lr_schedule,
-                        eps if eps_to_fw else slices.TINY, param_ndim, fraction)
+    _check_fw(learning_rate, use_default_lr_schedule, eps, axis_name)
+    return _frank_wolfe("frank_wolfe", lambda g, axes, split, k: g, lmo_scaling_factor,
+                        learning_rate, use_default_lr_schedule, eps, None, axis_name)
 
 
 def l1_frank_wolfe(epsilon: float, learning_rate: float = 2.0,
                    use_default_lr_schedule: bool = True, param_ndim: int | None = -1,
-                   eps: float = slices.TINY) -> optax.GradientTransformation:
+                   eps: float = slices.TINY, *, axis_name: norms.AxisName = None
+                   ) -> optax.GradientTransformation:
     """Frank-Wolfe over the L1 ball of radius ``epsilon`` (per slice).
 
     LMO direction ``ĝ = sign(g_i*) e_i*`` with ``i*`` the first index of the largest ``|g|`` of
@@ -214,6 +222,9 @@ def l1_frank_wolfe(epsilon: float, learning_rate: float = 2.0,
       param_ndim: which axes form a slice, as in :func:`l1_normalize` (default ``-1``: on a 1-D
         leaf every element is a slice, so the LMO is ``sign``, the L∞ one).
       eps: lower bound of the schedule's divisor, ``>= 0``.
+      axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) the slices' axes are
+        split over; the LMO then spans the whole slice (as in :func:`l1_normalize` and
+        :func:`top_q`).
 
     Returns:
       An ``optax.GradientTransformation`` (replaces the inner optimizer; needs ``params``)
@@ -232,13 +243,15 @@ def l1_frank_wolfe(epsilon: float, learning_rate: float = 2.0,
       >>> optax.apply_updates(x, u).tolist()
       [0.0, -1.7999999523162842]
     """
-    return _fw_family("l1_frank_wolfe", lambda g, axes, k: _l1_lmo(g, axes), epsilon,
-                      learning_rate, use_default_lr_schedule, param_ndim, eps, eps_to_fw=True)
+    _check_ball(epsilon, learning_rate, use_default_lr_schedule, param_ndim, eps, axis_name)
+    return _frank_wolfe("l1_frank_wolfe", _l1_lmo, epsilon, learning_rate,
+                        use_default_lr_schedule, eps, param_ndim, axis_name)
 
 
 def l2_frank_wolfe(epsilon: float, learning_rate: float = 2.0,
                    use_default_lr_schedule: bool = True, param_ndim: int | None = -1,
-                   eps: float = slices.TINY) -> optax.GradientTransformation:
+                   eps: float = slices.TINY, *, axis_name: norms.AxisName = None
+                   ) -> optax.GradientTransformation:
     """Frank-Wolfe over the L2 ball of radius ``epsilon`` (per slice).
 
     LMO direction ``ĝ = g / max(||g||₂, eps)`` per slice (as :func:`l2_normalize`); then
@@ -251,6 +264,7 @@ def l2_frank_wolfe(epsilon: float, learning_rate: float = 2.0,
       use_default_lr_schedule: ``α_t = lr / (lr + t)`` (default) or a constant ``α = lr``.
       param_ndim: which axes form a slice, as in :func:`l1_normalize` (default ``-1``).
       eps: lower bound of the normalization's divisor, ``>= 0`` (the schedule uses ``tiny``).
+      axis_name: as in :func:`l1_frank_wolfe` (partial norms combined with ``psum``).
 
     Returns:
       An ``optax.GradientTransformation`` (replaces the inner optimizer; needs ``params``)
@@ -268,15 +282,19 @@ def l2_frank_wolfe(epsilon: float, learning_rate: float = 2.0,
       >>> optax.apply_updates(x, u).round(6).tolist()
       [-0.804984, -1.609969]
     """
-    return _fw_family("l2_frank_wolfe",
-                      lambda g, axes, k: slices.normalized(g, 2.0, axes, eps)[0].astype(g.dtype),
-                      epsilon, learning_rate, use_default_lr_schedule, param_ndim, eps,
-                      eps_to_fw=False)
+    _check_ball(epsilon, learning_rate, use_default_lr_schedule, param_ndim, eps, axis_name)
+
+    def lmo(g, axes, split, k):
+        return slices.normalized(g, 2.0, axes, eps, split)[0].astype(g.dtype)
+
+    return _frank_wolfe("l2_frank_wolfe", lmo, epsilon, learning_rate, use_default_lr_schedule,
+                        slices.TINY, param_ndim, axis_name)
 
 
 def linf_frank_wolfe(epsilon: float, learning_rate: float = 2.0,
                      use_default_lr_schedule: bool = True, param_ndim: int | None = -1,
-                     eps: float = slices.TINY) -> optax.GradientTransformation:
+                     eps: float = slices.TINY, *, axis_name: norms.AxisName = None
+                     ) -> optax.GradientTransformation:
     """Frank-Wolfe over the L∞ ball of radius ``epsilon``.
 
     LMO direction ``ĝ = sign(g)`` (elementwise); then :func:`frank_wolfe` with ``c = ε``:
@@ -290,6 +308,8 @@ def linf_frank_wolfe(epsilon: float, learning_rate: float = 2.0,
       param_ndim: only validated (the LMO is elementwise); kept for parity with the reference,
         which rejects 0-d leaves with the default ``-1``.
       eps: lower bound of the schedule's divisor, ``>= 0``.
+      axis_name: as in :func:`frank_wolfe` (the LMO is elementwise; only the non-finite check
+        is combined across devices).
 
     Returns:
       An ``optax.GradientTransformation`` (replaces the inner optimizer; needs ``params``)
@@ -307,13 +327,15 @@ def linf_frank_wolfe(epsilon: float, learning_rate: float = 2.0,
       >>> optax.apply_updates(x, u).tolist()
       [-1.7999999523162842, -1.7999999523162842]
     """
-    return _fw_family("linf_frank_wolfe", lambda g, axes, k: slices.sign(g), epsilon, learning_rate,
-                      use_default_lr_schedule, param_ndim, eps, eps_to_fw=True)
+    _check_ball(epsilon, learning_rate, use_default_lr_schedule, param_ndim, eps, axis_name)
+    return _frank_wolfe("linf_frank_wolfe", lambda g, axes, split, k: slices.sign(g), epsilon,
+                        learning_rate, use_default_lr_schedule, eps, param_ndim, axis_name)
 
 
 def l1q_frank_wolfe(q: float, epsilon: float, dq: float = 0.0, learning_rate: float = 2.0,
                     use_default_lr_schedule: bool = True, param_ndim: int | None = -1,
-                    eps: float = slices.TINY, seed: int = 0) -> optax.GradientTransformation:
+                    eps: float = slices.TINY, seed: int = 0, *,
+                    axis_name: norms.AxisName = None) -> optax.GradientTransformation:
     """Frank-Wolfe with the L1q direction: a point on the L1 sphere of radius ``epsilon``.
 
     LMO direction ``ĝ`` = :func:`l1q_normalize`'s output (``±1/c`` on the signs of the top
@@ -329,6 +351,7 @@ def l1q_frank_wolfe(q: float, epsilon: float, dq: float = 0.0, learning_rate: fl
       param_ndim: which axes form a slice, as in :func:`l1_normalize` (default ``-1``).
       eps: lower bound of the L1 divisor, ``>= 0`` (the schedule uses ``tiny``).
       seed: seed of the PRNG key used when ``dq > 0``.
+      axis_name: as in :func:`top_q` (exact ranking of split slices without gathering them).
 
     Returns:
       An ``optax.GradientTransformation`` (replaces the inner optimizer; needs ``params``)
@@ -347,6 +370,8 @@ def l1q_frank_wolfe(q: float, epsilon: float, dq: float = 0.0, learning_rate: fl
       [0.0, -0.8999999761581421, -0.8999999761581421]
     """
     slices.check_q(q, dq, seed)
-    return _fw_family("l1q_frank_wolfe", lambda g, axes, k: slices.l1q(g, axes, k, eps), epsilon,
-                      learning_rate, use_default_lr_schedule, param_ndim, eps, eps_to_fw=False,
-                      fraction=slices.DropFraction(q, dq, seed))
+    _check_ball(epsilon, learning_rate, use_default_lr_schedule, param_ndim, eps, axis_name)
+    return _frank_wolfe("l1q_frank_wolfe",
+                        lambda g, axes, split, k: slices.l1q(g, axes, k, eps, split), epsilon,
+                        learning_rate, use_default_lr_schedule, slices.TINY, param_ndim,
+                        axis_name, slices.DropFraction(q, dq, seed))

@@ -8,8 +8,11 @@ parameters after the step are in :mod:`optclip.projections`, Frank-Wolfe in
 
 ``param_ndim`` cuts each leaf into slices: ``None`` is the whole leaf, ``k >= 0`` the
 last ``k`` axes, ``k < 0`` the last ``ndim + k`` axes. It is resolved per leaf by
-:func:`optclip._core.axes.reduction_axes`; ``|param_ndim|`` larger than a leaf's rank fails at
-``init``. The default ``-1`` makes every element of a 1-D leaf its own slice.
+:func:`optclip._core.axes.reduction_axes` and may differ per leaf (a pytree matching the
+parameters or a callable ``(path, leaf) -> param_ndim``); a leaf of lower rank than
+``|param_ndim|`` is one slice. The default ``-1`` makes every element of a 1-D leaf its own
+slice. ``axis_name`` (inside ``shard_map``/``pmap``) names the mesh axes the slices are split
+over.
 """
 
 from __future__ import annotations
@@ -95,7 +98,8 @@ def _affine(g: jax.Array, grad_scale: Any, grad_bias: Any) -> jax.Array:
 def sign(grad_scale: float = 1.0, grad_bias: float = 0.0) -> optax.GradientTransformation:
     """Replace every gradient element by its sign: ``g <- sign(g) * grad_scale + grad_bias``.
 
-    ``sign(±0) = 0``. Elementwise, so no ``param_ndim``.
+    ``sign(±0) = 0``. Elementwise, so no ``param_ndim``; stateless with no diagnostics, so no
+    ``axis_name`` either: inside ``shard_map`` it needs nothing combined across devices.
 
     Args:
       grad_scale: multiplies the signed gradient.
@@ -135,14 +139,15 @@ def _lp_normalize(ord: float, state_cls: type, name: str, param_ndim: int | None
     checks.non_negative("eps", eps)
     _check_affine(grad_scale, grad_bias)
 
-    def leaf(g, axes):
-        out, norm = slices.normalized(g, ord, axes, eps, norms.split_axes([g], axis_name)[0])
+    def leaf(g, axes, split):
+        out, norm = slices.normalized(g, ord, axes, eps, split)
         return _affine(out.astype(g.dtype), grad_scale, grad_bias), jnp.squeeze(norm, axis=axes)
 
     def apply(updates):
         leaves, treedef = jax.tree.flatten(updates)
-        results = [leaf(g, axes) if norms.is_float(g) else (g, None)
-                   for g, axes in zip(leaves, slices.leaf_axes(leaves, updates, param_ndim))]
+        cut = slices.slicing(leaves, updates, param_ndim, axis_name)
+        results = [leaf(g, axes, split) if norms.is_float(g) else (g, None)
+                   for g, axes, split in zip(leaves, cut.axes, cut.split, strict=True)]
         return tuple(treedef.unflatten([r[i] for r in results]) for i in range(2))
 
     def init_fn(params):
@@ -153,8 +158,7 @@ def _lp_normalize(ord: float, state_cls: type, name: str, param_ndim: int | None
         del params
         new_updates, measured = apply(updates)
         finite = stats_lib.all_finite(updates, axis_name)
-        return new_updates, state_cls(stats_lib.keep_if(finite, measured, state.norm),
-                                      stats_lib.count_nonfinite(state.nonfinite, finite))
+        return new_updates, stats_lib.commit(finite, state_cls(measured, state.nonfinite), state)
 
     return checks.transformation(init_fn, update_fn)
 
@@ -167,7 +171,8 @@ def l1_normalize(param_ndim: int | None = -1, eps: float = slices.TINY, grad_sca
     Args:
       param_ndim: which axes form a slice (``None``: the whole leaf; ``k >= 0``: the last ``k``
         axes; ``k < 0``: the last ``ndim + k``). With the default ``-1`` a 1-D leaf is cut into
-        one-element slices, so this becomes ``sign`` there.
+        one-element slices, so this becomes ``sign`` there. Also per leaf: a pytree matching
+        the parameters or a callable ``(path, leaf) -> param_ndim``.
       eps: lower bound of the divisor (rai_toolbox ``div_by_zero_eps``), ``>= 0``.
       grad_scale: multiplies the normalized gradient.
       grad_bias: then added to every element.
@@ -232,13 +237,14 @@ def l2_normalize(param_ndim: int | None = -1, eps: float = slices.TINY, grad_sca
                          grad_bias, axis_name)
 
 
-def _top_q_family(name: str, state_cls: type, q: Any, dq: Any, param_ndim: int | None,
-                  seed: int, leaf_fn, grad_scale: Any, grad_bias: Any
+def _top_q_family(name: str, state_cls: type, q: Any, dq: Any, param_ndim: Any, seed: int,
+                  leaf_fn, grad_scale: Any, grad_bias: Any, axis_name: norms.AxisName
                   ) -> optax.GradientTransformation:
-    """Shared body of ``top_q`` and ``l1q_normalize``: ``leaf_fn(g, axes, k)``."""
+    """Shared body of ``top_q`` and ``l1q_normalize``: ``leaf_fn(g, axes, k, split)``."""
     axes_lib.check_param_ndim_spec(param_ndim)
     slices.check_q(q, dq, seed)
     _check_affine(grad_scale, grad_bias)
+    norms.check_axis_name(axis_name)
     fraction = slices.DropFraction(q, dq, seed)
 
     def init_fn(params):
@@ -247,23 +253,22 @@ def _top_q_family(name: str, state_cls: type, q: Any, dq: Any, param_ndim: int |
     def update_fn(updates, state, params=None):
         del params
         leaves, treedef = jax.tree.flatten(updates)
-        axes_of = slices.leaf_axes(leaves, updates, param_ndim)
-        key, q_of, k_of = fraction.draw(state.key, leaves, axes_of)
-        new_leaves = [_affine(leaf_fn(g, axes, k), grad_scale, grad_bias)
+        cut = slices.slicing(leaves, updates, param_ndim, axis_name)
+        key, q_of, k_of = fraction.draw(state.key, leaves, cut.sizes)
+        new_leaves = [_affine(leaf_fn(g, axes, k, split), grad_scale, grad_bias)
                       if norms.is_float(g) else g
-                      for g, axes, k in zip(leaves, axes_of, k_of, strict=True)]
-        finite = stats_lib.all_finite(updates)
+                      for g, axes, k, split in zip(leaves, cut.axes, k_of, cut.split, strict=True)]
         new_state = state_cls(key, treedef.unflatten(q_of),
                               treedef.unflatten(slices.k_arrays(k_of)), state.nonfinite)
-        new_state = stats_lib.keep_if(finite, new_state, state)
-        return treedef.unflatten(new_leaves), new_state._replace(
-            nonfinite=stats_lib.count_nonfinite(state.nonfinite, finite))
+        finite = stats_lib.all_finite(updates, axis_name)
+        return treedef.unflatten(new_leaves), stats_lib.commit(finite, new_state, state)
 
     return checks.transformation(init_fn, update_fn)
 
 
 def top_q(q: float, dq: float = 0.0, param_ndim: int | None = -1, grad_scale: float = 1.0,
-          grad_bias: float = 0.0, seed: int = 0) -> optax.GradientTransformation:
+          grad_bias: float = 0.0, seed: int = 0, *, axis_name: norms.AxisName = None
+          ) -> optax.GradientTransformation:
     """Keep the largest ``1 - q`` fraction of every slice (by ``|g|``), zero the rest.
 
     Per slice of ``D`` entries, ``k = round((1 - q) * D)`` (double precision, half to even: q=0.5
@@ -273,8 +278,10 @@ def top_q(q: float, dq: float = 0.0, param_ndim: int | None = -1, grad_scale: fl
     every step, ``q_t ~ U[max(0, q - dq), min(1, q + dq))`` (float32) from a PRNG key held in
     the state; all slices of a leaf share it.
 
-    Under sharding each slice is ranked where it lives; a slice spread over several devices
-    (for example ``param_ndim=None`` on a sharded matrix) is gathered for the ranking.
+    Under ``jax.jit`` on sharded arrays each slice is ranked where it lives; a slice spread over
+    several devices (for example ``param_ndim=None`` on a sharded matrix) is gathered for the
+    ranking. Inside ``shard_map``/``pmap`` with ``axis_name`` nothing is gathered: the cut-off
+    of every split slice is found by an exact search with counts added across devices.
 
     Args:
       q: the fraction of every slice that is dropped, in ``[0, 1]`` (required: ``q=0.9`` keeps
@@ -285,6 +292,12 @@ def top_q(q: float, dq: float = 0.0, param_ndim: int | None = -1, grad_scale: fl
       grad_scale: multiplies the sparsified gradient.
       grad_bias: then added to every element (zeros included).
       seed: seed of the PRNG key used when ``dq > 0``.
+      axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) the slices' axes are
+        split over. ``k`` then counts the whole slice, and the ``k`` largest entries of the
+        whole slice are kept: a bisection on the magnitudes' bits whose 31 rounds (63 for
+        float64) each add one count per slice across devices (``psum``). Ties at the cut-off
+        keep the lowest (device, local index) first, the global lowest index when the named
+        axes split the slice's leading axis.
 
     Returns:
       An ``optax.GradientTransformation`` whose state holds the PRNG key and logs, per leaf,
@@ -304,12 +317,12 @@ def top_q(q: float, dq: float = 0.0, param_ndim: int | None = -1, grad_scale: fl
       [[0.0, 1.0], [-2.5, 0.0]]
     """
     return _top_q_family("top_q", TopQState, q, dq, param_ndim, seed, slices.top_q_kept, grad_scale,
-                         grad_bias)
+                         grad_bias, axis_name)
 
 
 def l1q_normalize(q: float, dq: float = 0.0, param_ndim: int | None = -1, eps: float = slices.TINY,
-                  grad_scale: float = 1.0, grad_bias: float = 0.0, seed: int = 0
-                  ) -> optax.GradientTransformation:
+                  grad_scale: float = 1.0, grad_bias: float = 0.0, seed: int = 0, *,
+                  axis_name: norms.AxisName = None) -> optax.GradientTransformation:
     """Top-q, then sign, then L1 normalization of every slice.
 
     Per slice: keep the ``k = round((1 - q) * D)`` entries of largest ``|g|`` (as
@@ -325,6 +338,7 @@ def l1q_normalize(q: float, dq: float = 0.0, param_ndim: int | None = -1, eps: f
       grad_scale: multiplies the normalized gradient (the L1 norm of each non-zero slice).
       grad_bias: then added to every element (zeros included).
       seed: seed of the PRNG key used when ``dq > 0``.
+      axis_name: as in :func:`top_q` (the count ``c`` is added across devices too).
 
     Returns:
       An ``optax.GradientTransformation`` whose state holds the PRNG key and logs, per leaf,
@@ -350,11 +364,13 @@ def l1q_normalize(q: float, dq: float = 0.0, param_ndim: int | None = -1, eps: f
     """
     checks.non_negative("eps", eps)
     return _top_q_family("l1q_normalize", L1qState, q, dq, param_ndim, seed,
-                         lambda g, axes, k: slices.l1q(g, axes, k, eps), grad_scale, grad_bias)
+                         lambda g, axes, k, split: slices.l1q(g, axes, k, eps, split),
+                         grad_scale, grad_bias, axis_name)
 
 
 def clamp(clamp_min: float | None = None, clamp_max: float | None = None,
-          grad_scale: float = 1.0, grad_bias: float = 0.0) -> optax.GradientTransformation:
+          grad_scale: float = 1.0, grad_bias: float = 0.0, *, axis_name: norms.AxisName = None
+          ) -> optax.GradientTransformation:
     """Clamp every gradient element, then scale and shift it.
 
     ``g <- clip(g, clamp_min, clamp_max) * grad_scale + grad_bias``.
@@ -368,6 +384,10 @@ def clamp(clamp_min: float | None = None, clamp_max: float | None = None,
         ``clamp_min <= clamp_max``).
       grad_scale: multiplies the clamped gradient.
       grad_bias: then added to every element.
+      axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) the leaves are split over:
+        the clamping is elementwise; only the per-leaf ``clipped`` flag and the non-finite check
+        are combined across devices (``pmax``/``pmin`` of one flag each), so the state is the
+        same on every device.
 
     Returns:
       An ``optax.GradientTransformation`` whose state logs, per leaf, whether any element was
@@ -385,6 +405,7 @@ def clamp(clamp_min: float | None = None, clamp_max: float | None = None,
     """
     slices.check_bounds(clamp_min, clamp_max)
     _check_affine(grad_scale, grad_bias)
+    norms.check_axis_name(axis_name)
 
     def init_fn(params):
         return ClampState(slices.per_leaf(lambda x: jnp.zeros((), bool), params),
@@ -393,13 +414,10 @@ def clamp(clamp_min: float | None = None, clamp_max: float | None = None,
     def update_fn(updates, state, params=None):
         del params
         low, high = slices.bounds_at(state.count, clamp_min, clamp_max)
-        clamped = norms.float_map(lambda g: slices.clip(g, low, high), updates)
-        clipped = jax.tree.map(lambda g, c: jnp.any(g != c) if norms.is_float(g) else None,
-                               updates, clamped)
-        finite = stats_lib.all_finite(updates)
-        new_state = ClampState(stats_lib.keep_if(finite, clipped, state.clipped),
-                               stats_lib.count_nonfinite(state.nonfinite, finite),
-                               stats_lib.step_count(state.count, finite))
-        return norms.float_map(lambda g: _affine(g, grad_scale, grad_bias), clamped), new_state
+        clamped, clipped = slices.clamp_tree(updates, low, high, axis_name)
+        new_state = ClampState(clipped, state.nonfinite, optax.safe_increment(state.count))
+        finite = stats_lib.all_finite(updates, axis_name)
+        return norms.float_map(lambda g: _affine(g, grad_scale, grad_bias), clamped), (
+            stats_lib.commit(finite, new_state, state))
 
     return checks.transformation(init_fn, update_fn)

@@ -58,37 +58,35 @@ class ClampParamsState(NamedTuple):
     count: jax.Array
 
 
-def _projection(name: str, project, init_diag, state_cls: type, limits
+def _projection(name: str, project, state_cls: type, limits, axis_name: norms.AxisName
                 ) -> optax.GradientTransformation:
-    """``project(x, limits(count)) -> (P(x), *diagnostics)`` per float leaf of
+    """``project(x, limits(count)) -> (P(x), *diagnostic trees)`` on the tree
     ``x = params + u``, ``limits`` resolving the float-or-schedule radius or bounds at the
-    count of finite steps; ``init_diag(params)`` gives the initial diagnostic trees."""
-    n_diag = len(state_cls._fields) - 2
+    count of finite steps."""
+    norms.check_axis_name(axis_name)
 
     def init_fn(params):
-        return state_cls(*init_diag(params), jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32))
+        zero = jnp.zeros([], jnp.int32)
+        diag = stats_lib.zeros_like_params(lambda p: tuple(project(p, limits(zero))[1:]), params)
+        return state_cls(*diag, zero, jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
         slices.require_params(params, name)
-        at = limits(state.count)
         targets = jax.tree.map(lambda u, p: (p + u).astype(p.dtype) if norms.is_float(u) else p,
                                updates, params)
-        projected, *diag = norms.tree_unzip(
-            lambda x: project(x, at) if norms.is_float(x) else (x,) + (None,) * n_diag,
-            targets, 1 + n_diag)
+        projected, *diag = project(targets, limits(state.count))
         new_updates = jax.tree.map(
             lambda u, px, p: (px - p).astype(u.dtype) if norms.is_float(u) else u,
             updates, projected, params)
-        finite = stats_lib.all_finite(targets)
-        kept = stats_lib.keep_if(finite, tuple(diag), tuple(state[:n_diag]))
-        return new_updates, state_cls(*kept, stats_lib.count_nonfinite(state.nonfinite, finite),
-                                      stats_lib.step_count(state.count, finite))
+        new_state = state_cls(*diag, state.nonfinite, optax.safe_increment(state.count))
+        finite = stats_lib.all_finite(targets, axis_name)
+        return new_updates, stats_lib.commit(finite, new_state, state)
 
     return checks.transformation(init_fn, update_fn)
 
 
-def project_l2_ball(epsilon: float, param_ndim: int | None = -1, *, exact: bool = False
-                    ) -> optax.GradientTransformation:
+def project_l2_ball(epsilon: float, param_ndim: int | None = -1, *, exact: bool = False,
+                    axis_name: norms.AxisName = None) -> optax.GradientTransformation:
     """Project every slice of the updated parameters onto the L2 ball of radius ``epsilon``.
 
     With ``x = params + u`` and ``ν = ||x||₂`` per slice: ``P(x) = x * ε / (ν + 1e-7)`` where
@@ -104,6 +102,8 @@ def project_l2_ball(epsilon: float, param_ndim: int | None = -1, *, exact: bool 
         also an optax schedule ``count -> value`` (``count``: finite steps taken).
       param_ndim: which axes of each parameter form a slice, as in :func:`l1_normalize`.
       exact: use ``ε / ν`` instead of ``ε / (ν + 1e-7)`` (keyword only; an optclip addition).
+      axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) the slices' axes are
+        split over; partial norms are combined with ``psum`` (as in :func:`l1_normalize`).
 
     Returns:
       An ``optax.GradientTransformation`` whose state logs each slice's ``norm`` before the
@@ -123,44 +123,34 @@ def project_l2_ball(epsilon: float, param_ndim: int | None = -1, *, exact: bool 
       >>> optax.apply_updates(x, u).round(6).tolist()
       [[0.6, 0.8], [0.6, 0.8]]
     """
-    axes_lib.check_param_ndim(param_ndim)
+    axes_lib.check_param_ndim_spec(param_ndim)
     checks.non_negative("epsilon", epsilon, allow_schedule=True)
     checks.boolean("exact", exact)
     renorm_eps = 0.0 if exact else RENORM_EPS
 
-    def project(x, at):
-        axes = slices.slice_axes(x, param_ndim)
-        norm = norms.slice_norm(x, 2.0, axes)
-        radius = jnp.asarray(at).astype(norm.dtype)
-        outside = norm > radius
-        factor = jnp.where(outside, radius / (norm + jnp.asarray(renorm_eps, norm.dtype)), 1)
-        return (norms.scale(x, factor), jnp.squeeze(norm, axis=axes),
-                jnp.squeeze(outside, axis=axes))
+    def project(targets, radius):
+        def multiplier(norm):
+            bound = jnp.asarray(radius).astype(norm.dtype)
+            return jnp.where(norm > bound, bound / (norm + jnp.asarray(renorm_eps, norm.dtype)), 1)
 
-    def init_diag(params):
-        return stats_lib.zeros_like_params(lambda p: norms.tree_unzip(
-            lambda x: project(x, epsilon_at(jnp.zeros([], jnp.int32)))[1:] if norms.is_float(x)
-            else (None, None), p, 2), params)
+        projected, measured = norms.scale_slices(targets, 2.0, multiplier, param_ndim=param_ndim,
+                                                 axis_name=axis_name)
+        outside = jax.tree.map(lambda n: n > jnp.asarray(radius).astype(n.dtype), measured)
+        return projected, measured, outside
 
-    def epsilon_at(count):
-        return checks.resolve(epsilon, count)
-
-    return _projection("project_l2_ball", project, init_diag, ProjectL2BallState, epsilon_at)
+    return _projection("project_l2_ball", project, ProjectL2BallState,
+                       lambda count: checks.resolve(epsilon, count), axis_name)
 
 
-def _box_projection(name: str, state_cls: type, bounds) -> optax.GradientTransformation:
+def _box_projection(name: str, state_cls: type, bounds, axis_name: norms.AxisName
+                    ) -> optax.GradientTransformation:
     """``bounds(count) -> (low, high)``."""
-    def project(x, at):
-        clipped = slices.clip(x, *at)
-        return clipped, jnp.any(clipped != x)
-
-    def init_diag(params):
-        return (slices.per_leaf(lambda x: jnp.zeros((), bool), params),)
-
-    return _projection(name, project, init_diag, state_cls, bounds)
+    return _projection(name, lambda x, at: slices.clamp_tree(x, *at, axis_name), state_cls,
+                       bounds, axis_name)
 
 
-def project_linf_ball(epsilon: float) -> optax.GradientTransformation:
+def project_linf_ball(epsilon: float, *, axis_name: norms.AxisName = None
+                      ) -> optax.GradientTransformation:
     """Clamp the updated parameters into ``[-epsilon, epsilon]``.
 
     ``P(x) = clip(x, -ε, ε)`` elementwise with ``x = params + u``; returns ``P(x) - params``.
@@ -170,6 +160,9 @@ def project_linf_ball(epsilon: float) -> optax.GradientTransformation:
     Args:
       epsilon: the radius, ``>= 0`` (required);
         also an optax schedule ``count -> value`` (``count``: finite steps taken).
+      axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) the leaves are split over:
+        the projection is elementwise; only the per-leaf ``projected`` flag and the non-finite
+        check are combined across devices, so the state is the same on every device.
 
     Returns:
       An ``optax.GradientTransformation`` whose state logs, per leaf, whether any element was
@@ -194,11 +187,11 @@ def project_linf_ball(epsilon: float) -> optax.GradientTransformation:
         radius = checks.resolve(epsilon, count)
         return -radius, radius
 
-    return _box_projection("project_linf_ball", ProjectLinfBallState, bounds)
+    return _box_projection("project_linf_ball", ProjectLinfBallState, bounds, axis_name)
 
 
-def clamp_params(clamp_min: float | None = None, clamp_max: float | None = None
-                 ) -> optax.GradientTransformation:
+def clamp_params(clamp_min: float | None = None, clamp_max: float | None = None, *,
+                 axis_name: norms.AxisName = None) -> optax.GradientTransformation:
     """Clamp the updated parameters into ``[clamp_min, clamp_max]``.
 
     ``P(x) = clip(x, clamp_min, clamp_max)`` with ``x = params + u``; returns ``P(x) - params``.
@@ -210,6 +203,7 @@ def clamp_params(clamp_min: float | None = None, clamp_max: float | None = None
         finite steps taken).
       clamp_max: upper bound, ``None`` or a schedule (at least one must be set;
         ``clamp_min <= clamp_max``).
+      axis_name: as in :func:`project_linf_ball`.
 
     Returns:
       An ``optax.GradientTransformation`` whose state logs, per leaf, whether any element was
@@ -228,4 +222,4 @@ def clamp_params(clamp_min: float | None = None, clamp_max: float | None = None
     """
     slices.check_bounds(clamp_min, clamp_max)
     return _box_projection("clamp_params", ClampParamsState,
-                           lambda count: slices.bounds_at(count, clamp_min, clamp_max))
+                           lambda count: slices.bounds_at(count, clamp_min, clamp_max), axis_name)

@@ -22,6 +22,7 @@ def transforms():
         "zclip": (optclip.zclip(warmup_steps=2), False),
         "clip_norm_by_ema": (optclip.clip_norm_by_ema(beta=0.5), False),
         "shard_map_clip_by_global_norm": (optclip.clip_by_global_norm(1.0, axis_name="x"), True),
+        "shard_map_top_q": (optclip.top_q(0.5, dq=0.2, param_ndim=None, axis_name="x"), True),
     }
 
 

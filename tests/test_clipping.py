@@ -390,30 +390,7 @@ def test_float16_gradients_of_magnitude_300_are_clipped_not_zeroed():
 
 
 # ---------------------------------------------------------------------------------------------
-# Odd trees, schedules and hyperparameter injection.
-
-ALL_TRANSFORMS = [
-    optclip.clip_value(1.0), optclip.clip_norm(1.0), optclip.clip_by_global_norm(1.0),
-    optclip.normalize(), optclip.normalize(dim="global"), optclip.centralize(),
-    optclip.centralize(dim="global"), optclip.zscore_normalize(),
-]
-
-
-@pytest.mark.parametrize("tx", ALL_TRANSFORMS, ids=range(len(ALL_TRANSFORMS)))
-def test_empty_masked_none_and_integer_leaves(tx):
-    for tree in ({}, [], {"a": None}):
-        out, _ = tx.update(tree, tx.init(tree))
-        assert out == tree
-    tree = {"f": jnp.asarray([[3.0, 4.0]]), "i": jnp.asarray([5, 7]), "n": None,
-            "m": optax.MaskedNode(), "z": jnp.zeros((0, 3)), "s": jnp.asarray(2.0)}
-    out, state = jax.jit(tx.update)(tree, tx.init(tree))
-    np.testing.assert_array_equal(out["i"], tree["i"])
-    assert out["i"].dtype == tree["i"].dtype
-    assert out["n"] is None and out["m"] == optax.MaskedNode()
-    assert out["z"].shape == (0, 3)
-    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(out))
-    optclip.stats(state)
-
+# Schedules and hyperparameter injection.
 
 def test_threshold_schedule_is_followed():
     schedule = optax.linear_schedule(4.0, 1.0, transition_steps=3)

@@ -1,4 +1,4 @@
-"""Every public transform, through the same checks (the registry lives in tests/registry/)."""
+"""Every public transform, through the same checks (the table lives in tests/registry.py)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ entries = pytest.mark.parametrize("entry", ALL_ENTRIES, ids=str)
 def test_registry_covers_every_public_transform():
     registered = {e.name for e in ALL_ENTRIES}
     public = set(optclip.__all__) - NOT_TRANSFORMS
-    assert public - registered == set(), "add a tests/registry entry for each public transform"
+    assert public - registered == set(), "add a tests/registry.py entry for each public transform"
     assert registered - public == set()
 
 
@@ -619,3 +619,85 @@ def test_meta_gradient_is_finite_at_the_clipping_boundary(make, point):
                      argnums=(0, 1))(g, params)
     for leaf in grads:
         assert np.all(np.isfinite(np.asarray(leaf)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Non-finite steps skipped, checkpoints, odd and empty trees: rules every transform keeps (the
+# families' own tests check their numbers, not these again).
+
+def _poisoned(tree):
+    """NaN in the first element of every leaf, inf in the last."""
+    tree = jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(jnp.nan), tree)
+    return jax.tree.map(lambda g: g.at[(-1,) * g.ndim].set(jnp.inf) if g.ndim else g, tree)
+
+
+@entries
+@pytest.mark.parametrize("bad_step", [0, 1])
+def test_a_nonfinite_step_is_skipped(entry, bad_step):
+    """After a NaN/inf step (the first one, or a later one) every later output is the one the
+    run without that step gives: nothing of it entered the running state."""
+    tx, update = _compiled(entry.name)
+    params = _params(entry)
+    grads = _grads(entry)
+    clean, _ = _run(update, tx.init(params), grads, params)
+    with_bad = [*grads[:bad_step], _poisoned(grads[bad_step]), *grads[bad_step:]]
+    outs, _ = _run(update, tx.init(params), with_bad, params)
+    chex.assert_trees_all_equal(outs[bad_step + 1:], clean[bad_step:])
+
+
+@entries
+def test_checkpoint_round_trip_continues_identically(entry):
+    """The state serialised (flax msgpack) after a step, restored into ``init``'s state, gives
+    the same state and the same later outputs."""
+    import flax.serialization
+
+    tx, update = _compiled(entry.name)
+    params = _params(entry)
+    grads = _grads(entry)
+    _, state = _run(update, tx.init(params), grads[:1], params)
+    restored = flax.serialization.from_bytes(tx.init(params), flax.serialization.to_bytes(state))
+    chex.assert_trees_all_equal(restored, state)
+    expected, _ = _run(update, state, grads[1:], params)
+    got, _ = _run(update, restored, grads[1:], params)
+    chex.assert_trees_all_equal(got, expected)
+
+
+def _with_odd_leaves(tree):
+    return {**tree, "none": None, "masked": optax.MaskedNode(), "empty": jnp.zeros((0, 2)),
+            "i": jnp.arange(3, dtype=jnp.int32)}
+
+
+@entries
+def test_none_masked_and_empty_leaves_pass_through(entry):
+    """``None`` and ``optax.MaskedNode`` leaves come back as they were, a zero-size leaf keeps
+    its shape, and none of them makes a statistic non-finite or counts as a non-finite step."""
+    tx = entry.make()
+    params = _with_odd_leaves(_params(entry))
+    update = jax.jit(tx.update)
+    state = tx.init(params)
+    for g in _grads(entry)[:2]:
+        out, state = update(_with_odd_leaves(g), state, params)
+    assert out["none"] is None and isinstance(out["masked"], optax.MaskedNode)
+    assert out["empty"].shape == (0, 2) and out["empty"].dtype == jnp.float32
+    np.testing.assert_array_equal(out["i"], params["i"])
+    assert all(np.all(np.isfinite(np.asarray(x, np.float64))) for x in _float_leaves(out))
+    assert all(np.all(np.isfinite(np.asarray(x, np.float64))) for x in _float_leaves(state))
+    if entry.has_stats:
+        assert _nonfinite_count(state) == 0
+
+
+@entries
+@pytest.mark.parametrize("tree", [{}, [], {"a": None}], ids=["dict", "list", "none"])
+def test_a_tree_without_arrays_comes_back_as_it_was(entry, tree):
+    tx = entry.make()
+    out, state = tx.update(tree, tx.init(tree), tree)
+    assert out == tree
+    optclip.stats(state)
+
+
+@pytest.mark.parametrize("entry", [e for e in ALL_ENTRIES if e.needs_params], ids=str)
+def test_update_without_params_names_the_transform_and_params(entry):
+    tx = entry.make()
+    params = _params(entry)
+    with pytest.raises(ValueError, match=rf"\b{entry.name}\b.*\bparams\b"):
+        tx.update(_grads(entry)[0], tx.init(params))

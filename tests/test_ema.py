@@ -17,90 +17,21 @@ import numpy as np
 import optax
 import pytest
 from hypothesis import given
-from hypothesis import strategies as st
 
 import optclip
-
-RTOL, ATOL = 1e-6, 1e-9          # spec §6
-ORACLE_RTOL = 2e-5               # float32 oracle over long random sequences (ulp drift)
-
-
-# ---------------------------------------------------------------------------------------------
-# Helpers shared with tests/test_growth.py.
-
-def as_tree(step, dtype=jnp.float32):
-    """A spec input (one leaf, or a list of leaves) as a list of arrays."""
-    if isinstance(step[0], (list, tuple)) or len(step) and isinstance(step[0], np.ndarray):
-        return [jnp.asarray(leaf, dtype) for leaf in step]
-    return [jnp.asarray(step, dtype)]
-
-
-def run(tx, steps, *, jit=False, state=None):
-    """Outputs and states after each step (inputs: lists of leaves)."""
-    update = _jitted(tx) if jit else tx.update
-    state = tx.init(steps[0]) if state is None else state
-    outs, states = [], []
-    for g in steps:
-        out, state = update(g, state)
-        outs.append(out)
-        states.append(state)
-    return outs, states
-
-
-_JIT_CACHE: dict = {}
-
-
-def _jitted(tx):
-    key = id(tx)
-    if key not in _JIT_CACHE:
-        _JIT_CACHE[key] = (tx, jax.jit(tx.update))
-    return _JIT_CACHE[key][1]
-
-
-def np_metric(v: np.ndarray, ord) -> np.floating:
-    """The metric of a flat vector, straight from spec §1.1 ('sum' as |Σ|, spec §4 D7)."""
-    a = np.abs(v)
-    if isinstance(ord, (int, float)) and ord < 0:
-        with np.errstate(divide="ignore"):
-            return (a ** ord).sum() ** (1 / ord)
-    if ord in ("l0", "l1", "l2", "l3", "l4"):
-        ord = float(ord[1])
-    if ord == "linf":
-        ord = math.inf
-    if ord == "mad":
-        return a.sum() / v.size
-    if ord == "var":
-        return ((v - v.mean()) ** 2).sum() / (v.size - 1)
-    if ord == "std":
-        return np.sqrt(((v - v.mean()) ** 2).sum() / (v.size - 1))
-    if ord == "sum":
-        return abs(v.sum())
-    if ord == 0:
-        return v.dtype.type(np.count_nonzero(v))
-    if ord == math.inf:
-        return a.max(initial=0)
-    if ord == -math.inf:
-        return a.min(initial=math.inf)
-    return (a ** ord).sum() ** (1 / ord)
-
-
-def random_sequence(seed, shapes=((3, 4), (5,), ()), steps=12, dtype=np.float32):
-    """Random updates with spikes (x100), collapses (x1e-3) and an all-zero step."""
-    rng = np.random.default_rng(seed)
-    seq = []
-    for t in range(steps):
-        scale = np.exp(rng.normal() * 0.7)
-        if t in (4, 9):
-            scale *= 100.0
-        if t == 6:
-            scale *= 1e-3
-        seq.append([np.asarray(rng.normal(size=s) * scale * (t != 7), dtype) for s in shapes])
-    return seq
-
-
-def to_np(tree):
-    return [np.asarray(x) for x in jax.tree.leaves(tree)]
-
+from tests.helpers import (
+    ATOL,
+    ORACLE_RTOL,
+    RTOL,
+    as_tree,
+    assert_nonfinite_step_skipped,
+    concatenated_operand_sizes,
+    np_metric,
+    random_sequence,
+    run,
+    sequences,
+    to_np,
+)
 
 # ---------------------------------------------------------------------------------------------
 # The NumPy oracle (spec §2.5, §2.6).
@@ -373,19 +304,6 @@ def test_single_element_std_leaf_passes_unchanged_d9(normalize):
     assert all(np.all(np.isfinite(x)) for x in to_np(state))
 
 
-def _concatenated_operand_sizes(jaxpr) -> list[int]:
-    sizes = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "concatenate":
-            sizes += [math.prod(v.aval.shape) for v in eqn.invars]
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else [param]:
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    sizes += _concatenated_operand_sizes(sub)
-    return sizes
-
-
 @pytest.mark.parametrize("factory", [optclip.clip_norm_by_ema, optclip.normalize_by_ema])
 @pytest.mark.parametrize("ord", [2, "std", math.inf])
 def test_global_mode_never_concatenates_leaves(factory, ord):
@@ -393,18 +311,11 @@ def test_global_mode_never_concatenates_leaves(factory, ord):
     tx = factory(tensorwise=False, ord=ord)
     tree = {"w": jnp.ones((8, 4)), "b": jnp.ones(4)}
     jaxpr = jax.make_jaxpr(tx.update)(tree, tx.init(tree)).jaxpr
-    assert all(size <= 1 for size in _concatenated_operand_sizes(jaxpr))
+    assert all(size <= 1 for size in concatenated_operand_sizes(jaxpr))
 
 
 # ---------------------------------------------------------------------------------------------
 # Properties.
-
-sequences = st.lists(
-    st.tuples(st.floats(-3, 3), st.integers(0, 2**16)).map(
-        lambda p: [(np.random.default_rng(p[1]).normal(size=s) * 10.0 ** p[0]).astype(np.float32)
-                   for s in ((4, 3), (5,))]),
-    min_size=1, max_size=6)
-
 
 @functools.cache
 def _property_transforms(tensorwise):
@@ -448,18 +359,33 @@ def _value_transform():
 
 
 # ---------------------------------------------------------------------------------------------
-# Non-finite steps, checkpoints, dtypes, odd trees.
+# Non-finite steps of the configurations the conformance table (tests/registry.py) does not
+# hold; its entries go through the whole contract in tests/test_conformance.py.
 
-ALL_EMA = [
-    ("clip_tensorwise", lambda: optclip.clip_norm_by_ema(beta=0.6)),
-    ("normalize_global", lambda: optclip.normalize_by_ema(beta=0.6, tensorwise=False)),
-    ("clip_update_init", lambda: optclip.clip_norm_by_ema(beta=0.6, ema_init="update")),
-    ("value", lambda: optclip.clip_value_by_ema(beta=0.6)),
-    ("value_transform", lambda: optclip.clip_value_by_ema(
+FAMILY_ONLY = {
+    "clip_update_init": functools.cache(lambda: optclip.clip_norm_by_ema(beta=0.6,
+                                                                         ema_init="update")),
+    "value_transform": functools.cache(lambda: optclip.clip_value_by_ema(
         beta=0.6, ema_transform=optax.ema(0.5, debias=False))),
-]
-# One transform per row (functools.cache), so the jitted update is shared between the tests.
-ALL_EMA = [(name, functools.cache(make)) for name, make in ALL_EMA]
+}
+
+
+@pytest.mark.parametrize("name", FAMILY_ONLY)
+@pytest.mark.parametrize("bad_step", [0, 3])
+@pytest.mark.parametrize(("index", "poison"), [(0, math.nan), (-1, math.inf)],
+                         ids=["nan_first", "inf_last"])
+def test_nonfinite_step_leaves_state_unchanged(name, bad_step, index, poison):
+    seq = [as_tree(s) for s in random_sequence(seed=1, steps=6)]
+    assert_nonfinite_step_skipped(FAMILY_ONLY[name](), seq, bad_step, index, poison)
+
+
+@pytest.mark.parametrize("factory", [optclip.clip_norm_by_ema, optclip.normalize_by_ema,
+                                     optclip.clip_value_by_ema])
+def test_stats_report_clipping(factory):
+    tx = factory(beta=0.6)
+    tree = [jnp.ones((3, 2))]
+    logged = optclip.stats(tx.update(tree, tx.init(tree))[1])
+    assert any(key.endswith(("/clipped", "/clipped_frac")) for key in logged), sorted(logged)
 
 
 def test_traced_hyperparameters_with_inject_hyperparams():

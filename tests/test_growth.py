@@ -19,12 +19,13 @@ import pytest
 from hypothesis import given
 
 import optclip
-from tests.test_ema import (
+from tests.helpers import (
     ATOL,
     ORACLE_RTOL,
     RTOL,
-    _concatenated_operand_sizes,
     as_tree,
+    assert_nonfinite_step_skipped,
+    concatenated_operand_sizes,
     np_metric,
     random_sequence,
     run,
@@ -268,7 +269,7 @@ def test_global_mode_never_concatenates_leaves():
     tx = optclip.clip_norm_growth(parameterwise=False)
     tree = {"w": jnp.ones((8, 4)), "b": jnp.ones(4)}
     jaxpr = jax.make_jaxpr(tx.update)(tree, tx.init(tree)).jaxpr
-    assert all(size <= 1 for size in _concatenated_operand_sizes(jaxpr))
+    assert all(size <= 1 for size in concatenated_operand_sizes(jaxpr))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,15 +317,36 @@ def test_norm_growth_bounded_by_reference(parameterwise, seq):
 
 
 # ---------------------------------------------------------------------------------------------
-# Non-finite steps, checkpoints, dtypes, odd trees, chains, arguments.
+# Non-finite steps of the configuration the conformance table (tests/registry.py) does not
+# hold (per parameter); its entries go through the whole contract in tests/test_conformance.py.
 
-ALL_GROWTH = [
-    ("value", lambda: optclip.clip_value_growth(add=0.5)),
-    ("norm_parameterwise", lambda: optclip.clip_norm_growth(add=0.5)),
-    ("norm_global", lambda: optclip.clip_norm_growth(parameterwise=False, ord="l1")),
-]
-# One transform per row (functools.cache), so the jitted update is shared between the tests.
-ALL_GROWTH = [(name, functools.cache(make)) for name, make in ALL_GROWTH]
+_norm_parameterwise = functools.cache(lambda: optclip.clip_norm_growth(add=0.5))
+
+
+@pytest.mark.parametrize("bad_step", [0, 3])
+@pytest.mark.parametrize(("index", "poison"), [(0, math.nan), (-1, math.inf)],
+                         ids=["nan_first", "inf_last"])
+def test_nonfinite_step_leaves_state_unchanged(bad_step, index, poison):
+    seq = [as_tree(s) for s in random_sequence(seed=1, steps=6)]
+    assert_nonfinite_step_skipped(_norm_parameterwise(), seq, bad_step, index, poison)
+
+
+@pytest.mark.parametrize("factory", [optclip.clip_value_growth, optclip.clip_norm_growth])
+def test_stats_report_clipping(factory):
+    tx = factory(add=0.5)
+    tree = [jnp.ones((3, 2))]
+    logged = optclip.stats(tx.update(tree, tx.init(tree))[1])
+    assert any(key.endswith(("/clipped", "/clipped_frac")) for key in logged), sorted(logged)
+
+
+def test_bfloat16_growth_is_limited():
+    """A tenfold step in bfloat16 grows by at most ``mul`` (1.5) over the stored reference."""
+    for tx in (optclip.clip_value_growth(add=0.5), optclip.clip_norm_growth(add=0.5)):
+        tree = {"w": jnp.ones((3, 2), jnp.bfloat16) * 3}
+        _, state = tx.update(tree, tx.init(tree))
+        out, _ = tx.update(jax.tree.map(lambda x: x * 10, tree), state)
+        assert out["w"].dtype == jnp.bfloat16
+        assert float(jnp.max(jnp.abs(out["w"].astype(jnp.float32)))) <= 3 * 1.5 * (1 + 1e-2)
 
 
 def test_traced_hyperparameters_with_inject_hyperparams():

@@ -223,3 +223,162 @@ def test_axis_name_outside_shard_map_changes_nothing():
         got = jax.jit(with_axis.update)(g, with_axis.init(g))
         expected = without.update(g, without.init(g))
         chex.assert_trees_all_close(got, expected, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranking inside shard_map: the whole slice's top k, without gathering the slice.
+
+RANKERS = {
+    "top_q": lambda a, q, dq: optclip.top_q(q, dq=dq, param_ndim=None, axis_name=a),
+    "l1q_normalize": lambda a, q, dq: optclip.l1q_normalize(q, dq=dq, param_ndim=None,
+                                                            axis_name=a),
+    "l1q_frank_wolfe": lambda a, q, dq: optclip.l1q_frank_wolfe(q, 1.5, dq=dq, param_ndim=None,
+                                                                axis_name=a),
+    "l1_frank_wolfe": lambda a, q, dq: optclip.l1_frank_wolfe(1.5, param_ndim=None,
+                                                              axis_name=a),
+}
+
+
+def _ties(seed):
+    """(16, 4) magnitudes from {0, 1, 2, 3} with random signs: ties everywhere, NaN-free."""
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.integers(0, 4, size=(16, 4)) * rng.choice([-1, 1], size=(16, 4)),
+                       jnp.float32)
+
+
+def _ranked_in_shard_map(tx, mesh, spec, params, grads):
+    def body(params, *steps):
+        state, outs = tx.init(params), []
+        for g in steps:
+            out, state = tx.update(g, state, params)
+            outs.append(out)
+        return outs, optclip.stats(state)
+
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * (1 + len(grads)),
+                           out_specs=([spec] * len(grads), P()))
+    return jax.jit(mapped)(params, *grads)
+
+
+@pytest.mark.parametrize("name", sorted(RANKERS))
+@pytest.mark.parametrize("q, dq, grads", [
+    (0.5, 0.0, "ones"), (0.3, 0.0, "ties"), (0.6, 0.3, "ties")],
+    ids=["ones-half", "ties-static-k", "ties-random-k"])
+def test_shard_map_keeps_the_same_entries_as_the_unsharded_run(name, q, dq, grads):
+    """A (16, 4) leaf whose one slice is split 8 ways along its leading axis (over a tuple of
+    mesh axes): the same kept entries (ties included), outputs and logged ``q``/``k`` as
+    without sharding, for a static ``k`` and a drawn one."""
+    steps = ([jnp.ones((16, 4))] * 2 if grads == "ones" else [_ties(s) for s in range(2)])
+    params = jnp.full((16, 4), 0.5)
+    mesh = _mesh((2, 4), ("d", "m"), "auto")
+    outs, logged = _ranked_in_shard_map(RANKERS[name](("d", "m"), q, dq), mesh, P(("d", "m")),
+                                        params, steps)
+    plain = RANKERS[name](None, q, dq)
+    state = plain.init(params)
+    for g, out in zip(steps, outs):
+        expected, state = plain.update(g, state, params)
+        np.testing.assert_array_equal(np.asarray(out) != 0, np.asarray(expected) != 0)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-6)
+    chex.assert_trees_all_close(logged, optclip.stats(state), rtol=1e-6)
+
+
+def test_shard_map_ranking_exchanges_counts_not_the_slice():
+    """top_q inside shard_map: the collectives carry per-slice counts (at most one number per
+    device), never the gradient."""
+    tx = optclip.top_q(0.5, param_ndim=None, axis_name="x")
+    mapped = jax.shard_map(lambda g: tx.update(g, tx.init(g))[0], mesh=_mesh((8,), ("x",), "auto"),
+                           in_specs=(P("x"),), out_specs=P("x"))
+    hlo = jax.jit(mapped).lower(jnp.ones((64, 32))).compile().as_text()
+    found = _collectives(hlo)
+    assert found.get("all-reduce"), found
+    for op, shapes in found.items():
+        for shape in shapes:
+            elements = [int(n) for n in shape.split("[")[-1].split("]")[0].split(",") if n]
+            assert np.prod(elements) <= 8, (op, shape)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: optclip.top_q(0.5, param_ndim=None),
+    lambda: optclip.l1q_normalize(0.5, param_ndim=None),
+    lambda: optclip.l1q_frank_wolfe(0.5, 1.0, param_ndim=None),
+], ids=["top_q", "l1q_normalize", "l1q_frank_wolfe"])
+def test_explicit_mesh_ranks_a_sharded_vector_as_one_slice(make):
+    """``param_ndim=None`` on a 1-D leaf sharded over an explicit mesh: its one slice is split
+    across devices (JAX refuses to sort a sharded axis); same numbers as unsharded."""
+    tx = make()
+    g = {"v": jnp.asarray(np.random.default_rng(0).normal(size=16), jnp.float32)}
+    params = {"v": jnp.ones(16)}
+    expected = tx.update(g, tx.init(params), params)
+    mesh = _mesh((8,), ("x",), "explicit")
+    with jax.set_mesh(mesh):
+        spec = {"v": P("x")}
+        sharded_g, sharded_params = _place(g, mesh, spec), _place(params, mesh, spec)
+        out, state = jax.jit(tx.update)(sharded_g, jax.jit(tx.init)(sharded_params),
+                                        sharded_params)
+    chex.assert_trees_all_close((out, state), expected, rtol=1e-6)
+    assert out["v"].sharding.is_equivalent_to(sharded_g["v"].sharding, 1)
+
+
+def test_pmap_ranks_the_slice_spread_over_the_devices():
+    """Under pmap every leaf counts as split: the eight (2, 4) blocks form one slice, ranked as
+    the (16, 4) matrix they stack into (ties in device order)."""
+    tx = optclip.top_q(0.7, param_ndim=None, axis_name="i")
+    g = _ties(3)
+    out = jax.pmap(lambda b: tx.update(b, tx.init(b))[0], axis_name="i")(g.reshape(8, 2, 4))
+    plain = optclip.top_q(0.7, param_ndim=None)
+    np.testing.assert_array_equal(np.asarray(out).reshape(16, 4),
+                                  np.asarray(plain.update(g, plain.init(g))[0]))
+
+
+SLICE_TRANSFORMS = {
+    "top_q": lambda a: optclip.top_q(0.5, param_ndim=None, axis_name=a),
+    "l1q_normalize": lambda a: optclip.l1q_normalize(0.3, param_ndim=None, axis_name=a),
+    "clamp": lambda a: optclip.clamp(-0.5, 0.5, axis_name=a),
+    "project_l2_ball": lambda a: optclip.project_l2_ball(1.0, param_ndim=None, axis_name=a),
+    "project_linf_ball": lambda a: optclip.project_linf_ball(1.5, axis_name=a),
+    "clamp_params": lambda a: optclip.clamp_params(clamp_max=1.5, axis_name=a),
+    "frank_wolfe": lambda a: optclip.frank_wolfe(0.5, axis_name=a),
+    "l1_frank_wolfe": lambda a: optclip.l1_frank_wolfe(2.0, param_ndim=None, axis_name=a),
+    "l2_frank_wolfe": lambda a: optclip.l2_frank_wolfe(2.0, param_ndim=None, axis_name=a),
+    "linf_frank_wolfe": lambda a: optclip.linf_frank_wolfe(1.0, axis_name=a),
+    "l1q_frank_wolfe": lambda a: optclip.l1q_frank_wolfe(0.5, 1.5, param_ndim=None,
+                                                         axis_name=a),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SLICE_TRANSFORMS))
+def test_shard_map_ones_give_the_unsharded_output_and_state(name):
+    """ones(8, 4) split 8 ways (and a replicated ones(4)): the same outputs and logged state as
+    the unsharded run; the state is declared replicated, so JAX checks that it is the same on
+    every device."""
+    specs = {"w": P("x"), "b": P()}
+    ones = {"w": jnp.ones((8, 4)), "b": jnp.ones(4)}
+    outs, logged = _ranked_in_shard_map(SLICE_TRANSFORMS[name]("x"), _mesh((8,), ("x",), "auto"),
+                                        specs, ones, [ones, ones])
+    plain = SLICE_TRANSFORMS[name](None)
+    state = plain.init(ones)
+    for out in outs:
+        expected, state = plain.update(ones, state, ones)
+        chex.assert_trees_all_close(out, expected, rtol=1e-6)
+    assert logged.keys() == optclip.stats(state).keys()
+    chex.assert_trees_all_close(logged, optclip.stats(state), rtol=1e-6)
+
+
+@pytest.mark.parametrize("make", [
+    lambda a: optclip.l2_normalize(axis_name=a),
+    lambda a: optclip.top_q(0.3, axis_name=a),
+    lambda a: optclip.project_l2_ball(0.5, axis_name=a),
+    lambda a: optclip.l1q_frank_wolfe(0.3, 1.0, axis_name=a),
+], ids=["l2_normalize", "top_q", "project_l2_ball", "l1q_frank_wolfe"])
+def test_one_element_slices_of_a_split_vector_are_not_combined(make):
+    """``param_ndim=-1`` on a vector split over the named axis: every element is its own slice,
+    so nothing is combined across devices (its slices have no reduced axes to split). Per-slice
+    diagnostics then differ between devices, like the slices: only the outputs come back."""
+    v = {"v": jnp.asarray(np.random.default_rng(1).normal(size=16), jnp.float32)}
+    params = {"v": jnp.full(16, 0.25)}
+    tx = make("x")
+    mapped = jax.shard_map(lambda g, p: tx.update(g, tx.init(p), p)[0],
+                           mesh=_mesh((8,), ("x",), "auto"), in_specs=({"v": P("x")},) * 2,
+                           out_specs={"v": P("x")})
+    plain = make(None)
+    chex.assert_trees_all_close(jax.jit(mapped)(v, params),
+                                plain.update(v, plain.init(params), params)[0], rtol=1e-6)

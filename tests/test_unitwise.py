@@ -104,12 +104,6 @@ def test_final_layer_excluded_with_a_mask():
     assert float(jnp.max(jnp.abs(out["dense"]["kernel"] - grads["dense"]["kernel"]))) > 0
 
 
-def test_needs_params():
-    tx = optclip.adaptive_grad_clip(0.1)
-    with pytest.raises(ValueError, match="params"):
-        tx.update(_grads(), tx.init(_tree()))
-
-
 # ---------------------------------------------------------------------------------------------
 # Flax layouts and per-leaf dim.
 

@@ -516,7 +516,8 @@ def _plain_global_norm(leaves: list[jax.Array], ord: float | str,
     return safe_root(tsum(total(lambda x: jnp.abs(x) ** ord)), ord)
 
 
-def _int_type(dtype) -> jnp.dtype:
+def int_type(dtype) -> jnp.dtype:
+    """The signed integer type as wide as the float ``dtype`` (for reading its bits)."""
     return jnp.dtype(jnp.int64) if jnp.dtype(dtype).itemsize == 8 else jnp.dtype(jnp.int32)
 
 
@@ -527,7 +528,7 @@ def binary_exponent(x: jax.Array) -> jax.Array:
     XLA copies into every fusion consuming a per-slice value computed from it.
     """
     info = jnp.finfo(x.dtype)
-    bits = jax.lax.bitcast_convert_type(x, _int_type(x.dtype))
+    bits = jax.lax.bitcast_convert_type(x, int_type(x.dtype))
     normal = (bits >> info.nmant) - (info.maxexp - 2)
     subnormal = (info.bits - info.nmant - info.maxexp + 2) - jax.lax.clz(bits)
     return jnp.where(bits >= (1 << info.nmant), normal, subnormal).astype(jnp.int32)
@@ -536,7 +537,7 @@ def binary_exponent(x: jax.Array) -> jax.Array:
 def pow2(k: jax.Array, dtype) -> jax.Array:
     """``2.0 ** k`` in ``dtype`` (exact) for integer ``k`` in the normal exponent range."""
     info = jnp.finfo(dtype)
-    biased = (k.astype(_int_type(dtype)) + (info.maxexp - 1)) << info.nmant
+    biased = (k.astype(int_type(dtype)) + (info.maxexp - 1)) << info.nmant
     return jax.lax.bitcast_convert_type(biased, jnp.dtype(dtype))
 
 
@@ -606,21 +607,26 @@ def scale_slices(
     Leaves that the axes rule leaves alone (no axes, or slices smaller than ``min_size``) are
     returned unchanged with a 0-d zero norm; non-float leaves pass through with a ``None`` norm.
     ``axis_name``: the mesh axes (inside ``shard_map``/``pmap``) a leaf's reduced axes are
-    split over; per-slice partial reductions are combined across them.
+    split over; per-slice partial reductions are combined across them. ``param_ndim`` (instead
+    of ``dim``) may be per leaf like ``dim`` (:func:`optclip._core.axes.leaf_param_ndims`).
     """
     if dim == axes_lib.GLOBAL:
         norm = global_norm(tree, ord, axis_name)
         factor = multiplier(norm)
         return jax.tree.map(lambda x: scale(x, factor), tree), norm
 
-    def leaf_axes(x, leaf_dim):
+    def leaf_axes(x, leaf_dim, leaf_param_ndim):
         if not is_float(x):
             return None
-        axes = axes_lib.reduction_axes(x.ndim, leaf_dim, inverse_dims, param_ndim=param_ndim)
-        split = split_axes([x], axis_name)
-        if axes is None or axes_lib.slice_size(x.shape, axes) * axes_size(split[0]) < min_size:
+        axes = axes_lib.reduction_axes(x.ndim, leaf_dim, inverse_dims, param_ndim=leaf_param_ndim)
+        if axes is None:
             return None
-        return axes
+        size = axes_lib.slice_size(x.shape, axes) * axes_size(leaf_split(x, axes))
+        return None if size < min_size else axes
+
+    def leaf_split(x, axes):
+        # One-element slices (no reduced axes) are never split across devices.
+        return split_axes([x], axis_name)[0] if axes else ()
 
     def one_leaf(x, axes, whole_norm):
         if not is_float(x):
@@ -628,14 +634,17 @@ def scale_slices(
         if axes is None:
             return x, jnp.zeros((), acc_dtype(x.dtype))
         norm = (whole_norm.reshape((1,) * x.ndim) if whole_norm is not None
-                else slice_norm(x, ord, axes, split_axes([x], axis_name)[0]))
+                else slice_norm(x, ord, axes, leaf_split(x, axes)))
         return scale(x, multiplier(norm)), jnp.squeeze(norm, axis=axes)
 
     leaves, treedef = jax.tree.flatten(tree)
-    plan = [leaf_axes(x, d) for x, d in zip(leaves, axes_lib.leaf_dims(dim, tree))]
-    # Whole-leaf slices are measured together (one overflow test for all: leaf_norms).
+    ndims = ([param_ndim] * len(leaves) if param_ndim is axes_lib._UNSET
+             else axes_lib.leaf_param_ndims(param_ndim, tree))
+    plan = [leaf_axes(x, d, k) for x, d, k in zip(leaves, axes_lib.leaf_dims(dim, tree), ndims)]
+    # Whole-leaf slices (at least one reduced axis) are measured together: one overflow test
+    # for all of them (leaf_norms).
     whole = [i for i, (x, axes) in enumerate(zip(leaves, plan))
-             if axes is not None and axes == tuple(range(x.ndim))]
+             if axes and axes == tuple(range(x.ndim))]
     measured = dict(zip(whole, leaf_norms([leaves[i] for i in whole], ord, axis_name)))
     results = [one_leaf(x, axes, measured.get(i)) for i, (x, axes) in enumerate(zip(leaves, plan))]
     return tuple(treedef.unflatten([r[i] for r in results]) for i in range(2))

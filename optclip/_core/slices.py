@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +54,27 @@ def leaf_axes(leaves: list, tree: Any, param_ndim: Any) -> list:
     may be per leaf (a pytree matching the parameters or a callable ``(path, leaf) -> k``)."""
     return [slice_axes(x, k) if norms.is_float(x) else None
             for x, k in zip(leaves, axes_lib.leaf_param_ndims(param_ndim, tree), strict=True)]
+
+
+class Slicing(NamedTuple):
+    """How every flattened leaf is cut into slices (``None`` entries for non-float leaves)."""
+    axes: list     # the reduced axes of each leaf
+    split: list    # the mesh axes its slices are split over (inside shard_map/pmap)
+    sizes: list    # entries per whole slice (all devices together)
+
+
+def slicing(leaves: list, tree: Any, param_ndim: Any, axis_name: norms.AxisName) -> Slicing:
+    """The :class:`Slicing` of the flattened ``leaves`` of ``tree``.
+
+    One-element slices (no reduced axes) lie whole on one device whatever the leaf's split:
+    they are never combined across devices.
+    """
+    axes_of = leaf_axes(leaves, tree, param_ndim)
+    split_of = [split if axes else () for axes, split in
+                zip(axes_of, norms.split_axes(leaves, axis_name), strict=True)]
+    sizes = [None if axes is None else axes_lib.slice_size(x.shape, axes) * norms.axes_size(s)
+             for x, axes, s in zip(leaves, axes_of, split_of)]
+    return Slicing(axes_of, split_of, sizes)
 
 
 def per_leaf(fn, tree: Any) -> Any:
@@ -151,8 +172,7 @@ def top_k_mask(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array) -> jax.A
     ``(-|g|, index)`` per slice finds the ``k``-th entry; an entry is kept when it comes before
     it in that order (no second sort to rank every entry).
     """
-    magnitude = jnp.abs(slice_rows(g, axes))
-    magnitude = jnp.where(jnp.isnan(magnitude), jnp.inf, magnitude)
+    magnitude = _ranked_magnitude(slice_rows(g, axes))
     if magnitude.shape[-1] == 0:
         return jnp.zeros(magnitude.shape, bool)
     # Built from a zeros_like so that it carries the slices' sharding under an explicit mesh.
@@ -172,6 +192,69 @@ def top_k_mask(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array) -> jax.A
     return keep & (k > 0)
 
 
+def _ranked_magnitude(g: jax.Array) -> jax.Array:
+    """``|g|`` with NaN ranked as the largest (``inf``)."""
+    magnitude = jnp.abs(g)
+    return jnp.where(jnp.isnan(magnitude), jnp.inf, magnitude)
+
+
+def keep_top_k(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array,
+               split: tuple[str, ...] = ()) -> jax.Array:
+    """Whether each entry of ``g`` is among the ``k`` largest ``|g|`` of its slice (``g``'s
+    shape; ties keep the lowest index).
+
+    ``split``: the mesh axes (inside ``shard_map``/``pmap``) the slices are split over; the
+    ranking is then :func:`split_top_k`'s exact threshold search instead of a local sort.
+    """
+    if split:
+        return split_top_k(g, axes, k, split)
+    return slice_mask(top_k_mask(g, axes, k), g)
+
+
+def _count(flags: jax.Array, axes: tuple[int, ...], split: tuple[str, ...]) -> jax.Array:
+    """Per slice (keepdims), how many ``flags`` are set on all devices along ``split``."""
+    return norms.across(jnp.sum(flags, axis=axes, keepdims=True, dtype=jnp.int32), "sum", split)
+
+
+def split_top_k(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array,
+                split: tuple[str, ...]) -> jax.Array:
+    """:func:`keep_top_k` for slices split over the mesh axes ``split``, without gathering them.
+
+    The ``k``-th largest magnitude of each whole slice is found by a bisection on the bits of
+    ``|g|`` (non-negative floats order like their bit patterns): each of the 31 rounds (63 for
+    float64) counts the entries at or above a candidate on every device and adds the counts
+    across devices (one ``psum`` of one int32 per slice). Entries above it are kept, and of the
+    entries equal to it, the first ones in (device index along ``split``, local index) order
+    until exactly ``k`` are kept: the global lowest-index rule when the named axes split the
+    slice's leading axis (as an FSDP layout does). ``axes`` are trailing (as ``param_ndim``
+    gives them).
+    """
+    magnitude = _ranked_magnitude(g.astype(norms.acc_dtype(g.dtype)))
+    bits = jax.lax.bitcast_convert_type(magnitude, norms.int_type(magnitude.dtype))
+    k = jnp.asarray(k, jnp.int32)
+    top = int(np.asarray(np.inf, magnitude.dtype).view(bits.dtype)) + 1
+
+    def halve(_, bounds):
+        low, high = bounds
+        middle = low + (high - low) // 2
+        enough = _count(bits >= middle, axes, split) >= k
+        return jnp.where(enough, middle, low), jnp.where(enough, high, middle)
+
+    # Start from the counts and k, so that the loop's carry has the device-variance type its
+    # results have.
+    start = (_count(bits >= 0, axes, split) * 0 + k * 0).astype(bits.dtype)
+    kth, _ = jax.lax.fori_loop(0, top.bit_length(), halve, (start, start + top))
+    above, ties = bits > kth, bits == kth
+    wanted = k - _count(above, axes, split)
+    local_ties = jnp.sum(ties, axis=axes, keepdims=True, dtype=jnp.int32)
+    every_device = jax.lax.all_gather(local_ties, split)
+    devices = jnp.arange(every_device.shape[0]).reshape((-1,) + (1,) * g.ndim)
+    earlier = jnp.sum(jnp.where(devices < jax.lax.axis_index(split), every_device, 0), axis=0)
+    rows = ties.reshape(*ties.shape[:g.ndim - len(axes)], -1)
+    rank = earlier + jnp.cumsum(rows, axis=-1, dtype=jnp.int32).reshape(g.shape)
+    return (above | (ties & (rank <= wanted))) & (k > 0)
+
+
 def static_k(q: float, size: int) -> int:
     """``round((1 - q) * D)`` in double precision, half to even."""
     return round((1.0 - float(q)) * size)
@@ -183,22 +266,24 @@ def traced_k(q: jax.Array, size: int) -> jax.Array:
     return jnp.round((1 - q.astype(wide)) * size).astype(jnp.int32)
 
 
-def top_q_kept(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array) -> jax.Array:
-    """``g`` with all but the ``k`` largest-``|g|`` entries of every slice set to zero."""
-    size = axes_lib.slice_size(g.shape, axes)
+def top_q_kept(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array,
+               split: tuple[str, ...] = ()) -> jax.Array:
+    """``g`` with all but the ``k`` largest-``|g|`` entries of every slice set to zero
+    (slices split over the mesh axes ``split``, as in :func:`keep_top_k`)."""
+    size = axes_lib.slice_size(g.shape, axes) * norms.axes_size(split)
     if isinstance(k, int):
         if k <= 0:
             return jnp.zeros_like(g)
         if k >= size:
             return g
-    keep = slice_mask(top_k_mask(g, axes, k), g)
-    return jnp.where(keep, g, jnp.zeros_like(g))
+    return jnp.where(keep_top_k(g, axes, k, split), g, jnp.zeros_like(g))
 
 
-def l1q(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array, eps: Any) -> jax.Array:
+def l1q(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array, eps: Any,
+        split: tuple[str, ...] = ()) -> jax.Array:
     """Top-k, sign, L1-normalize: ``±1/c`` on the ``c`` non-zero kept entries."""
-    signs = sign(top_q_kept(g, axes, k))
-    return normalized(signs, 1.0, axes, eps)[0].astype(g.dtype)
+    signs = sign(top_q_kept(g, axes, k, split))
+    return normalized(signs, 1.0, axes, eps, split)[0].astype(g.dtype)
 
 
 def logged_q(q: Any, leaf: jax.Array) -> jax.Array:
@@ -221,12 +306,11 @@ class DropFraction:
         k = per_leaf(lambda x: jnp.zeros((), jnp.int32), params)
         return key, q, k
 
-    def draw(self, key: jax.Array, leaves: list, axes_of: list) -> tuple[jax.Array, list, list]:
-        """``(new key, q per leaf, k per leaf)`` for flattened ``leaves`` with slice axes
-        ``axes_of`` (``None`` for non-float leaves); ``k`` holds Python ints when ``q`` is
+    def draw(self, key: jax.Array, leaves: list, sizes: list) -> tuple[jax.Array, list, list]:
+        """``(new key, q per leaf, k per leaf)`` for flattened ``leaves`` whose slices hold
+        ``sizes`` entries (``None`` for non-float leaves); ``k`` holds Python ints when ``q`` is
         static."""
         floats = [i for i, x in enumerate(leaves) if norms.is_float(x)]
-        sizes = {i: axes_lib.slice_size(leaves[i].shape, axes_of[i]) for i in floats}
         q_of: list[Any] = [None] * len(leaves)
         k_of: list[Any] = [None] * len(leaves)
         if self.static:
@@ -256,6 +340,17 @@ def k_arrays(k_of: list) -> list:
 def bounds_at(count: jax.Array, low: Any, high: Any) -> tuple[Any, Any]:
     """Float-or-schedule bounds (``None``: unbounded) resolved at ``count``."""
     return tuple(None if b is None else checks.resolve(b, count) for b in (low, high))
+
+
+def clamp_tree(tree: Any, low: Any, high: Any, axis_name: norms.AxisName
+               ) -> tuple[Any, Any]:
+    """``(clip(tree, low, high), moved)`` with ``moved`` per float leaf: whether any element
+    changed, on any device along ``axis_name`` (``None`` for other leaves)."""
+    clamped = norms.float_map(lambda x: clip(x, low, high), tree)
+    moved = jax.tree.map(
+        lambda x, c: norms.any_true(jnp.any(x != c), axis_name) if norms.is_float(x) else None,
+        tree, clamped)
+    return clamped, moved
 
 
 def clip(x: jax.Array, low: Any, high: Any) -> jax.Array:
