@@ -146,7 +146,7 @@ def adagc(
 def _norms(updates: Any, axis_name: norms.AxisName) -> tuple[Any, jax.Array]:
     """Per-leaf L2 norms (a tree, ``None`` at non-floating leaves) and the global norm.
 
-    One pass over the gradients (:func:`optclip._core.norms.leaf_l2_norms`, combined across
+    One pass over the gradients (:func:`optclip._core.norms.leaf_norms`, combined across
     the devices each leaf's elements are split over). The global norm is combined from the
     leaf norms, scaled by the largest, so it needs no second pass and cannot overflow either.
     """
@@ -154,7 +154,7 @@ def _norms(updates: Any, axis_name: norms.AxisName) -> tuple[Any, jax.Array]:
     if not leaves:
         return jax.tree.map(lambda x: None, updates), jnp.zeros((), norms.stat_dtype(updates))
     dtype = norms.stat_dtype(updates)
-    leaf_norms = norms.leaf_l2_norms(leaves, norms.split_axes(leaves, axis_name), dtype)
+    leaf_norms = [n.astype(dtype) for n in norms.leaf_norms(leaves, 2.0, axis_name)]
     vector = norms.gather_scalars(leaf_norms)
     peak = jnp.max(vector)
     unit = jnp.where((peak > 0) & jnp.isfinite(peak), peak, jnp.ones_like(peak))

@@ -11,6 +11,7 @@ threshold schedules) and the diagnostics of the last step.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -81,10 +82,11 @@ def _finite(ord: float | str, updates: Any, measured: Any, axis_name=None) -> ja
 
 
 def _advance(state, finite: jax.Array, **fields):
-    """The next state: a non-finite step counts in ``nonfinite`` and does not advance
-    ``count``, so a threshold schedule continues where the last finite step left it."""
-    return state._replace(count=stats_lib.step_count(state.count, finite),
-                          nonfinite=stats_lib.count_nonfinite(state.nonfinite, finite), **fields)
+    """The next state, committed by ``stats.commit``: a non-finite step leaves every field as it
+    was (``count`` too, so a threshold schedule continues where the last finite step left it)
+    and counts in ``nonfinite``."""
+    new = state._replace(count=optax.safe_increment(state.count), **fields)
+    return stats_lib.commit(finite, new, state)
 
 
 def _check_slices(ord: Ord, dim: Dim, inverse_dims: bool, min_size: int,
@@ -127,6 +129,18 @@ def clip_grad_value(grads: Any, value: ScalarOrSchedule) -> Any:
 def _clamp(g: jax.Array, value) -> jax.Array:
     bound = jnp.asarray(value).astype(g.dtype)
     return jnp.clip(g, -bound, bound)
+
+
+def _read_first(bound, peak: jax.Array, finite: jax.Array) -> jax.Array:
+    """The clamp bound of a leaf whose largest ``|g|`` is ``peak``: ``bound``, or ``peak`` where
+    that is smaller and the leaf finite, which clamps the same (no ``|g|`` exceeds ``peak``).
+
+    Why: the clamp then reads the leaf's statistics, so XLA computes them before it writes the
+    output; otherwise, with the gradients donated, it copies every gradient first to keep them
+    for the reductions.
+    """
+    bound = jnp.asarray(bound).astype(peak.dtype)
+    return jnp.where(finite & (peak < bound), peak, bound)
 
 
 def _clip_grad_norm(grads, max_norm, ord, dim, inverse_dims, min_size, min_norm, axis_name=None):
@@ -266,9 +280,8 @@ def clip_value(value: ScalarOrSchedule, axis_name: AxisName = None
     checks.positive("value", value, allow_schedule=True)
     norms.check_axis_name(axis_name)
 
-    def max_abs(tree):
-        return jax.tree.map(lambda g: norms.leaf_norm(g, float("inf"), axis_name)
-                            if norms.is_float(g) else None, tree)
+    def max_abs(g):
+        return norms.leaf_norm(g, float("inf"), axis_name)
 
     def init_fn(params):
         zeros = stats_lib.zeros_like_params(
@@ -281,12 +294,16 @@ def clip_value(value: ScalarOrSchedule, axis_name: AxisName = None
     def update_fn(updates, state, params=None):
         del params
         bound = checks.resolve(value, state.count)
-        measured = max_abs(updates)
-        new_updates = norms.float_map(lambda g: _clamp(g, bound), updates)
-        clipped = jax.tree.map(lambda m: m > bound, measured)
-        return new_updates, _advance(
-            state, stats_lib.all_finite(measured, axis_name),
-            max_abs=stats_lib.keep_finite(measured, state.max_abs), clipped=clipped)
+
+        def one_leaf(g):
+            if not norms.is_float(g):
+                return g, None, None, None
+            peak, finite = max_abs(g), stats_lib.leaf_finite(g)
+            return _clamp(g, _read_first(bound, peak, finite)), peak, peak > bound, finite
+
+        new_updates, peak, clipped, finite = norms.tree_unzip(one_leaf, updates, 4)
+        return new_updates, _advance(state, stats_lib.all_of(jax.tree.leaves(finite), axis_name),
+                                     max_abs=peak, clipped=clipped)
 
     return checks.transformation(init_fn, update_fn)
 
@@ -572,21 +589,37 @@ def zscore_normalize(eps: float = 1e-8, axis_name: AxisName = None
     checks.positive("eps", eps)
     norms.check_axis_name(axis_name)
 
-    def one_leaf(g):
-        if not norms.is_float(g) or g.size == 0:
-            return g
-        wide = g.astype(norms.acc_dtype(g.dtype))
-        split = norms.split_axes([g], axis_name)[0]
-        size = g.size * norms.axes_size(split)
-        mean = norms.across(jnp.sum(wide), "sum", split) / size
-        # drytorch divides by an unbiased std of NaN here: use 0.
-        # leaf_norm: finite derivative at a constant leaf, no overflow for huge elements.
-        std = norms.leaf_norm(wide, "std", axis_name) if size > 1 else jnp.zeros((), wide.dtype)
-        return ((wide - mean) / (std + eps)).astype(g.dtype)
-
     def update_fn(updates, state, params=None):
         del params
-        return jax.tree.map(one_leaf, updates), state
+        leaves, treedef = jax.tree.flatten(updates)
+        idx = [i for i, g in enumerate(leaves) if norms.is_float(g) and g.size > 0]
+        wide = {i: leaves[i].astype(norms.acc_dtype(leaves[i].dtype)) for i in idx}
+        size = {i: g.size * norms.axes_size(norms.split_axes([g], axis_name)[0])
+                for i, g in wide.items()}
+        mean = {i: norms.across(jnp.sum(g), "sum", norms.split_axes([g], axis_name)[0]) / size[i]
+                for i, g in wide.items()}
+        # std = ||g - mean|| / sqrt(n - 1), the 2-norms of all leaves reduced once each (finite
+        # derivative at a constant leaf, no overflow for huge elements). drytorch divides by an
+        # unbiased std of NaN for one element: use 0.
+        spread = dict(zip(idx, norms.leaf_norms(lambda: _centred(wide, mean), 2.0, axis_name)))
+        outputs = list(leaves)
+        for i in idx:
+            std = (spread[i] / math.sqrt(size[i] - 1) if size[i] > 1
+                   else jnp.zeros((), wide[i].dtype))
+            outputs[i] = ((wide[i] - mean[i]) / (std + eps)).astype(leaves[i].dtype)
+        return treedef.unflatten(outputs), state
 
     return checks.transformation(lambda params: optax.EmptyState(), update_fn)
 
+
+def _centred(wide: dict, mean: dict) -> list[jax.Array]:
+    """``g - mean`` per leaf, for a reduction only.
+
+    Behind an optimization barrier: XLA would otherwise share ``g - mean`` between the
+    reduction and the output and, on CPU, write it out first (a reduction reads a shared
+    operand from memory).
+    """
+    # One barrier per leaf: inside shard_map a joint one would mark every leaf as varying over
+    # the mesh axes of any one of them (a replicated bias would be summed across devices).
+    pairs = [jax.lax.optimization_barrier((g, mean[i])) for i, g in wide.items()]
+    return [g - m for g, m in pairs]

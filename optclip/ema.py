@@ -117,115 +117,152 @@ def _float_zeros(tree: Any) -> Any:
 # ---------------------------------------------------------------------------------------------
 # Norm-referenced: clip_norm_by_ema, normalize_by_ema.
 
-def _norm_by_ema(normalize, beta, ord, eps, tensorwise, max_ema_growth, ema_init, axis_name):
+class _Step(NamedTuple):
+    """One group's (a leaf's, or the whole tree's) decision at a step."""
+    divisor: jax.Array   # what the update is divided by (for the state: before the zero rule)
+    output: jax.Array    # what it is actually divided by (1 for a zero update)
+    ema_norm: jax.Array  # the moved EMA's norm after the growth cap
+    capped: jax.Array    # the growth cap rescaled the EMA
+    shrink: jax.Array    # the moved EMA is divided by this (1 where not capped)
+
+
+def _clip_divisor(ratio: jax.Array, floor: jax.Array) -> jax.Array:
+    """clip_norm_by_ema: scale down only (``||x|| <= ||e||``)."""
+    del floor
+    return jnp.maximum(ratio, 1)
+
+
+def _normalize_divisor(ratio: jax.Array, floor: jax.Array) -> jax.Array:
+    """normalize_by_ema: scale to the EMA's norm (``||x|| == ||e||``)."""
+    return jnp.maximum(ratio, floor)
+
+
+def _moved(x: jax.Array, e: jax.Array, first: jax.Array, beta: Any, ema_init: str) -> jax.Array:
+    """The EMA leaf moved toward ``x`` (the update, or its magnitude), restarted on the first
+    step at 0 (``'zeros'``) or at ``x`` (``'update'``).
+
+    The restart is a scalar weight (``e`` and ``x`` are finite wherever the result is kept, so
+    a term times 0 is 0), not an elementwise select: XLA:CPU then fuses the whole expression
+    into each reduction that reads it instead of writing it out first.
+    """
+    x = x.astype(e.dtype)
+    keep = jnp.where(first, 0, 1).astype(e.dtype)
+    start = e * keep + (x * (1 - keep) if ema_init == "update" else 0)
+    return running.lerp(start, x, _ema_weight(beta, start.dtype))
+
+
+def _decide(a, b, r_prev, first, growth, eps, divisor_rule) -> _Step:
+    """Growth cap (``growth`` ``None``: none) on the moved EMA's norm ``b``, and the divisor of
+    an update of norm ``a``."""
+    capped, shrink = jnp.zeros(b.shape, bool), jnp.ones_like(b)
+    if growth is not None:
+        reference = jnp.where(first, b, r_prev)
+        allowed = jnp.maximum(reference * growth.astype(b.dtype), jnp.asarray(eps, b.dtype))
+        capped = b > allowed
+        shrink = jnp.where(capped, b / allowed, 1)
+        b = jnp.where(capped, allowed, b)
+    floor = _double_tiny(b.dtype)
+    divisor = divisor_rule(a.astype(b.dtype) / jnp.maximum(b, floor), floor)
+    return _Step(divisor, _output_divisor(a, divisor), b, capped, shrink)
+
+
+def _group_step(x, a, b, r_prev, first, growth, divisor_rule, ord, eps, axis_name):
+    """``(update norm, _Step, finite)`` of one group (a leaf, or the list of all leaves) whose
+    update ``x`` has norm ``a`` and whose moved EMA has norm ``b``.
+
+    ddof=1 metrics of fewer than two elements are NaN in torchzero: such a group reads as norm 0
+    here and passes unchanged, and its statistics stay finite.
+    """
+    measurable = norms.metric_defined(ord, _group_size(x, axis_name))
+    if not measurable:
+        a, b = jnp.zeros_like(a), jnp.zeros_like(b)
+    finite = jnp.isfinite(a) & jnp.isfinite(b)
+    if not (measurable and norms.sees_nonfinite(ord)):   # the norms may miss a NaN
+        finite = finite & stats_lib.all_finite(x)
+    step = _decide(a, b, r_prev, first, growth, eps, divisor_rule)
+    if not measurable:
+        step = step._replace(divisor=jnp.ones_like(step.divisor),
+                             output=jnp.ones_like(step.output))
+    return a.astype(b.dtype), step, finite
+
+
+def _norm_ema_init(params, state_cls, tensorwise: bool, ord) -> Any:
+    """The initial state of the norm-referenced EMA clippers."""
+    ema = _float_zeros(params)
+    if tensorwise:
+        scalar = jax.tree.map(lambda e: jnp.zeros((), e.dtype), ema)
+    else:
+        scalar = jnp.zeros((), jax.eval_shape(lambda t: norms.global_norm(t, ord), ema).dtype)
+    ones = jax.tree.map(jnp.ones_like, scalar)
+    flags = jax.tree.map(lambda s: jnp.zeros((), bool), scalar)
+    zero = jnp.zeros([], jnp.int32)
+    return stats_lib.own_buffers(state_cls(zero, ema, scalar, scalar, ones, flags, flags, zero))
+
+
+def _norm_by_ema(divisor_rule, state_cls, beta, ord, eps, tensorwise, max_ema_growth, ema_init,
+                 axis_name):
+    """``clip_norm_by_ema`` and ``normalize_by_ema``: they differ in ``divisor_rule`` only."""
     _check_ema_args(beta, ema_init)
     norms.check_axis_name(axis_name)
     ord = norms.canonical_ord(ord)
     checks.non_negative("eps", eps)
     checks.boolean("tensorwise", tensorwise)
-    state_cls = {(False, True): ClipNormByEMAState, (False, False): ClipNormByEMAGlobalState,
-                 (True, True): NormalizeByEMAState,
-                 (True, False): NormalizeByEMAGlobalState}[normalize, bool(tensorwise)]
     checks.positive("max_ema_growth", max_ema_growth, allow_none=True, allow_schedule=True)
-
-    def cap_and_divide(a, b, r_prev, first, ema, measurable, growth):
-        """Growth cap on the EMA norm ``b`` and the divisor for an update of norm ``a``.
-
-        Returns ``(divisor, capped b, capped flag, rescaled EMA leaves)``.
-        """
-        capped = jnp.zeros(b.shape, bool)
-        if max_ema_growth is not None:
-            reference = jnp.where(first, b, r_prev)
-            allowed = jnp.maximum(reference * growth.astype(b.dtype),
-                                  jnp.asarray(eps, b.dtype))
-            capped = b > allowed
-            shrink = jnp.where(capped, b / allowed, 1)
-            ema = [e / shrink.astype(e.dtype) for e in ema]
-            b = jnp.where(capped, allowed, b)
-        floor = _double_tiny(b.dtype)
-        ratio = a.astype(b.dtype) / jnp.maximum(b, floor)
-        divisor = jnp.maximum(ratio, floor) if normalize else jnp.maximum(ratio, 1)
-        if not measurable:
-            divisor = jnp.ones_like(divisor)
-        return divisor, b, capped, ema
-
-    def _norms_or_zeros(size, groups):
-        """Norms of the update and of the EMA (one leaf, or all leaves when not tensorwise).
-
-        ddof=1 metrics of fewer than two elements are NaN in torchzero: such a
-        group reads as norm 0 here and passes unchanged, and its statistics stay finite.
-        """
-        measure = norms.leaf_norm if tensorwise else norms.global_norm
-        a, b = (measure(group, ord, axis_name) for group in groups)
-        if not norms.metric_defined(ord, size):
-            return jnp.zeros_like(a), jnp.zeros_like(b), False
-        return a, b, True
-
-    def init_fn(params):
-        ema = _float_zeros(params)
-        if tensorwise:
-            scalar = jax.tree.map(lambda e: jnp.zeros((), e.dtype), ema)
-        else:
-            scalar = jnp.zeros((), jax.eval_shape(lambda t: norms.global_norm(t, ord), ema).dtype)
-        ones = jax.tree.map(jnp.ones_like, scalar)
-        flags = jax.tree.map(lambda s: jnp.zeros((), bool), scalar)
-        zero = jnp.zeros([], jnp.int32)
-        return stats_lib.own_buffers(
-            state_cls(zero, ema, scalar, scalar, ones, flags, flags, zero))
 
     def update_fn(updates, state, params=None):
         del params
-        leaves, (old_ema,), treedef = norms.flatten_with(updates, state.ema)
         first = state.count == 0
         growth = None if max_ema_growth is None else checks.resolve(max_ema_growth, state.count)
-        is_float = [norms.is_float(x) for x in leaves]
-        ema = []
-        for x, e, f in zip(leaves, old_ema, is_float):
-            if not f:
-                ema.append(None)
-                continue
-            x = x.astype(e.dtype)
-            start = jnp.where(first, x if ema_init == "update" else jnp.zeros_like(x), e)
-            ema.append(running.lerp(start, x, _ema_weight(beta, start.dtype)))
 
+        def group_step(x, a, b, r_prev, growth):
+            return _group_step(x, a, b, r_prev, first, growth, divisor_rule, ord, eps, axis_name)
+        leaves, (old, r_prev), treedef = norms.flatten_with(
+            updates, state.ema, state.ema_norm if tensorwise else state.ema)
+        floats = [i for i, x in enumerate(leaves) if norms.is_float(x)]
+
+        def moved_leaves():
+            return [_moved(leaves[i], old[i], first, beta, ema_init) for i in floats]
+
+        xs, ms = [leaves[i] for i in floats], moved_leaves()
+        moved = dict(zip(floats, ms))
         if tensorwise:
-            old_r = treedef.flatten_up_to(state.ema_norm)
-            per_leaf = [None] * len(leaves)
-            for i, (x, e, r, f) in enumerate(zip(leaves, ema, old_r, is_float)):
-                if not f:
-                    continue
-                size = x.size * norms.axes_size(norms.split_axes([x], axis_name)[0])
-                a, b, measurable = _norms_or_zeros(size, (x, e))
-                divisor, b, capped, (e,) = cap_and_divide(a, b, r, first, [e], measurable,
-                                                          growth)
-                ema[i] = e
-                per_leaf[i] = (norms.divide(x, _output_divisor(a, divisor)), a.astype(b.dtype), b,
-                               divisor, capped)
-            new_updates = treedef.unflatten(
-                [p[0] if p else x for p, x in zip(per_leaf, leaves)])
-            norm, ema_norm, divisor, capped = (
-                treedef.unflatten([p[k] if p else None for p in per_leaf]) for k in range(1, 5))
+            pairs = zip(floats, norms.leaf_norms(xs, ord, axis_name),
+                        norms.leaf_norms(moved_leaves, ord, axis_name))
+            steps = {i: group_step(leaves[i], a, b, r_prev[i], growth) for i, a, b in pairs}
         else:
-            floats = [e for e in ema if e is not None]
-            size = sum(e.size * norms.axes_size(a)
-                       for e, a in zip(floats, norms.split_axes(floats, axis_name)))
-            a, b, measurable = _norms_or_zeros(size, (leaves, ema))
-            divisor, ema_norm, capped, floats = cap_and_divide(
-                a, b, state.ema_norm, first, floats, measurable, growth)
-            rescaled = iter(floats)
-            ema = [next(rescaled) if f else None for f in is_float]
-            norm = a.astype(ema_norm.dtype)
-            new_updates = treedef.unflatten(
-                [norms.divide(x, _output_divisor(a, divisor)) if f else x
-                 for x, f in zip(leaves, is_float)])
+            whole = group_step(xs, norms.global_norm(xs, ord, axis_name),
+                               norms.global_norm(ms, ord, axis_name), state.ema_norm, growth)
+            steps = {i: whole for i in floats}
+        ok = stats_lib.all_of([steps[i][2] for i in floats], axis_name)
+        outputs, ema = list(leaves), [None] * len(leaves)
+        for i in floats:
+            step = steps[i][1]
+            # A product, not x / d: XLA:CPU fuses it into each pass of the next transform,
+            # where it would write a quotient out first (it never copies a division).
+            outputs[i] = norms.scale(leaves[i], 1 / step.output)
+            ema[i] = jnp.where(ok, moved[i] / step.shrink.astype(moved[i].dtype), old[i])
 
-        clipped = jax.tree.map(lambda d: d > 1, divisor)
-        ok = stats_lib.all_finite((updates, norm, ema_norm), axis_name)
-        new = state_cls(optax.safe_increment(state.count), treedef.unflatten(ema), ema_norm,
-                        norm, divisor, clipped, capped, state.nonfinite)
-        return new_updates, stats_lib.commit(ok, new, state)
+        def per_group(get):
+            if not tensorwise:
+                return get(whole)
+            return norms.unflatten_at(treedef, {i: get(steps[i]) for i in floats})
 
-    return checks.transformation(init_fn, update_fn)
+        new = state_cls(optax.safe_increment(state.count), treedef.unflatten(ema),
+                        per_group(lambda s: s[1].ema_norm), per_group(lambda s: s[0]),
+                        per_group(lambda s: s[1].divisor),
+                        per_group(lambda s: s[1].divisor > 1), per_group(lambda s: s[1].capped),
+                        state.nonfinite)
+        return treedef.unflatten(outputs), stats_lib.commit(ok, new, state)
+
+    return checks.transformation(
+        lambda params: _norm_ema_init(params, state_cls, tensorwise, ord), update_fn)
+
+
+def _group_size(group: Any, axis_name: AxisName) -> int:
+    """Elements in a leaf or a list of leaves, counted over the mesh axes they are split on."""
+    leaves = group if isinstance(group, list) else [group]
+    return sum(x.size * norms.axes_size(a)
+               for x, a in zip(leaves, norms.split_axes(leaves, axis_name)))
 
 
 def clip_norm_by_ema(
@@ -296,7 +333,9 @@ def clip_norm_by_ema(
       [0.3, 0.4] 1.5
       [1.35, 1.8] 2.25
     """
-    return _norm_by_ema(False, beta, ord, eps, tensorwise, max_ema_growth, ema_init, axis_name)
+    state_cls = ClipNormByEMAState if tensorwise else ClipNormByEMAGlobalState
+    return _norm_by_ema(_clip_divisor, state_cls, beta, ord, eps, tensorwise, max_ema_growth,
+                        ema_init, axis_name)
 
 
 def normalize_by_ema(
@@ -338,7 +377,9 @@ def normalize_by_ema(
       [1.5, 2.0]
       [0.9, 1.2]
     """
-    return _norm_by_ema(True, beta, ord, eps, tensorwise, max_ema_growth, ema_init, axis_name)
+    state_cls = NormalizeByEMAState if tensorwise else NormalizeByEMAGlobalState
+    return _norm_by_ema(_normalize_divisor, state_cls, beta, ord, eps, tensorwise,
+                        max_ema_growth, ema_init, axis_name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,37 +449,44 @@ def clip_value_by_ema(
             jax.tree.map(lambda s: jnp.zeros((), bool), per_leaf), zero))
 
     def update_fn(updates, state, params=None):
-        leaves, (old_ema,), treedef = norms.flatten_with(updates, state.ema)
+        leaves, (old,), treedef = norms.flatten_with(updates, state.ema)
+        floats = [i for i, x in enumerate(leaves) if norms.is_float(x)]
         first = state.count == 0
-        ema = []
-        for x, e in zip(leaves, old_ema):
-            if not norms.is_float(x):
-                ema.append(None)
-                continue
-            magnitude = jnp.abs(x.astype(e.dtype))
-            start = jnp.where(first, magnitude if ema_init == "update" else jnp.zeros_like(e), e)
-            ema.append(running.lerp(start, magnitude, _ema_weight(beta, start.dtype)))
+        # The step's statistics first: a non-finite step leaves the EMA as it was.
+        peak = {i: max_abs(leaves[i]) for i in floats}
+        ok = stats_lib.all_of([stats_lib.leaf_finite(leaves[i]) for i in floats], axis_name)
+        ema = [None] * len(leaves)
+        for i in floats:
+            moved = _moved(jnp.abs(leaves[i]), old[i], first, beta, ema_init)
+            ema[i] = jnp.where(ok, moved, old[i])
         ema_tree = treedef.unflatten(ema)
         bound, transform_state = transform.update(ema_tree, state.ema_transform_state, params)
-        bounds = treedef.flatten_up_to(bound)
-
-        outputs, measured, clipped = [], [], []
-        for x, b in zip(leaves, bounds):
-            if not norms.is_float(x):
-                outputs.append(x)
-                measured.append(None)
-                clipped.append(None)
-                continue
-            wide = x.astype(b.dtype)
-            # Lower clamp first, then the upper one: where B < 0 the result is B.
-            outputs.append(jnp.minimum(jnp.maximum(wide, -b), b).astype(x.dtype))
-            measured.append(max_abs(x))
-            clipped.append(norms.any_true(jnp.any(jnp.abs(wide) > b), axis_name))
-
-        ok = stats_lib.all_finite(updates, axis_name)
+        outputs, clipped = _clamp_to(leaves, treedef.flatten_up_to(bound), floats, axis_name)
         new = ClipValueByEMAState(optax.safe_increment(state.count), ema_tree, transform_state,
-                                  treedef.unflatten(measured), treedef.unflatten(clipped),
-                                  state.nonfinite)
-        return treedef.unflatten(outputs), stats_lib.commit(ok, new, state)
+                                  norms.unflatten_at(treedef, peak),
+                                  norms.unflatten_at(treedef, clipped), state.nonfinite)
+        # The EMA was committed above (the bound reads it): not a second select over it.
+        return treedef.unflatten(outputs), stats_lib.commit(ok, new, state)._replace(
+            ema=ema_tree)
 
     return checks.transformation(init_fn, update_fn)
+
+
+def _clamp_to(leaves: list, bounds: list, floats: list[int], axis_name: AxisName):
+    """Each float leaf clamped to ``[-B, B]`` (its bound), and per leaf whether it was clamped.
+
+    The clamp is applied where the leaf was clamped somewhere (elsewhere it is the identity),
+    so XLA computes that flag before it writes the output, and can write the output over the
+    donated updates instead of copying them first.
+    """
+    outputs, clipped = list(leaves), {}
+    for i in floats:
+        x, b = leaves[i], bounds[i]
+        wide = x.astype(b.dtype)
+        # A float reduction (XLA:CPU's fast path); |x| - B > 0 exactly when |x| > B.
+        clipped[i] = norms.any_true(jnp.max(jnp.abs(wide) - b, initial=-jnp.inf) > 0,
+                                    axis_name)
+        # Lower clamp first, then the upper one: where B < 0 the result is B.
+        clamped = jnp.minimum(jnp.maximum(wide, -b), b).astype(x.dtype)
+        outputs[i] = jnp.where(clipped[i], clamped, x)
+    return outputs, clipped

@@ -79,6 +79,12 @@ def _limits_at(count: jax.Array, *values) -> _Limits:
     return _Limits(*(None if v is None else checks.resolve(v, count) for v in values))
 
 
+def _may_overflow(max_decay) -> bool:
+    """Whether the decayed reference can grow (``max_decay`` below 1, or a schedule)."""
+    return max_decay is not None and not (isinstance(max_decay, (int, float))
+                                          and max_decay >= 1)
+
+
 def _const(value, like: jax.Array) -> jax.Array:
     return jnp.asarray(value).astype(like.dtype)
 
@@ -137,34 +143,6 @@ def clip_value_growth(
     norms.check_axis_name(axis_name)
     identity = add is None and mul is None
 
-    def one_leaf(x, prev, first, hp):
-        """Returns ``(output, new reference, max ratio, clipped)`` for one float leaf."""
-        wide = x.astype(prev.dtype)
-        if identity:
-            return x, wide, jnp.ones((), prev.dtype), jnp.zeros((), bool)
-        reference = jnp.abs(prev)
-        y = wide
-        if add is not None:
-            excess = jnp.maximum(jnp.abs(y) - reference, 0) - _const(hp.add, y)
-            y = jnp.where(excess > 0, y - excess * jnp.sign(y), y)
-        floor = reference if min_value is None else jnp.maximum(reference,
-                                                                _const(hp.min_value, y))
-        ratio = jnp.maximum(jnp.abs(y) / floor, _const(_MIN_RATIO, y))
-        if mul is not None:
-            y = jnp.where(ratio > _const(hp.mul, y), y / (ratio / _const(hp.mul, y)), y)
-        new_prev = y
-        if max_decay is not None:
-            decay = _const(hp.max_decay, y)
-            new_prev = jnp.where(ratio < 1 / decay, prev / decay,
-                                 y)
-        clipped = norms.any_true(jnp.any(y != wide), axis_name)
-        # 0/0 (no floor, zero reference and update) has no ratio; torchzero leaves it alone.
-        max_ratio = norms.leaf_norm(jnp.where(jnp.isnan(ratio), 0, ratio), float("inf"),
-                                    axis_name).astype(ratio.dtype)
-        y = jnp.where(first, wide, y)
-        return (y.astype(x.dtype), jnp.where(first, wide, new_prev),
-                jnp.where(first, 1, max_ratio).astype(prev.dtype), clipped & ~first)
-
     def init_fn(params):
         prev = stats_lib.zeros_like_params(lambda t: jax.tree.map(
             lambda x: x.astype(norms.acc_dtype(x.dtype)) if norms.is_float(x) else None, t),
@@ -177,18 +155,90 @@ def clip_value_growth(
     def update_fn(updates, state, params=None):
         del params
         leaves, (prevs,), treedef = norms.flatten_with(updates, state.prev)
+        floats = [i for i, x in enumerate(leaves) if norms.is_float(x)]
         first = state.count == 0
         hp = _limits_at(state.count, add, mul, min_value, max_decay)
-        results = [one_leaf(x, p, first, hp) if norms.is_float(x) else (x, None, None, None)
-                   for x, p in zip(leaves, prevs)]
-        outputs, new_prev, max_ratio, clipped = (
-            treedef.unflatten([r[k] for r in results]) for k in range(4))
-        ok = stats_lib.all_finite((updates, new_prev), axis_name)
-        new = ClipValueGrowthState(optax.safe_increment(state.count), new_prev, max_ratio,
-                                   clipped, state.nonfinite)
-        return outputs, stats_lib.commit(ok, new, state)
+        finite = {i: stats_lib.leaf_finite(leaves[i]) for i in floats}
+        if identity:
+            stats = {i: (jnp.ones((), prevs[i].dtype), jnp.zeros((), bool)) for i in floats}
+        else:
+            stats = {i: _value_stats(leaves[i], prevs[i], hp, axis_name) for i in floats}
+        outputs, new_prev = list(leaves), [None] * len(leaves)
+        for i in floats:
+            changed = stats[i][1] | ~finite[i]
+            outputs[i], new_prev[i] = _value_step(leaves[i], prevs[i], first, hp, changed)
+        ok = stats_lib.all_of(list(finite.values()), axis_name)
+        if _may_overflow(max_decay):    # a reference growing by 1 / max_decay per step
+            ok = ok & stats_lib.all_finite([new_prev[i] for i in floats], axis_name)
+        max_ratio = {i: jnp.where(first, 1, m).astype(m.dtype) for i, (m, _) in stats.items()}
+        clipped = {i: c & ~first for i, (_, c) in stats.items()}
+        new = ClipValueGrowthState(
+            optax.safe_increment(state.count), treedef.unflatten(new_prev),
+            norms.unflatten_at(treedef, max_ratio), norms.unflatten_at(treedef, clipped),
+            state.nonfinite)
+        return treedef.unflatten(outputs), stats_lib.commit(ok, new, state)
 
     return checks.transformation(init_fn, update_fn)
+
+
+def _value_limit(wide: jax.Array, prev: jax.Array, hp: _Limits):
+    """clip_value_growth, elementwise: ``(limited update, |y| before the multiplicative cap,
+    its floor m, additive excess)`` (the excess ``None`` without ``add``).
+
+    The ratio ``r = max(|y| / m, 1e-8)`` is compared as products (``r > mul`` where
+    ``|y| > mul m``) and ``y / (r / mul)`` is ``sign(y) mul m``: XLA:CPU never copies an
+    elementwise division into several passes, it writes it out first.
+    """
+    reference = jnp.abs(prev)
+    y, excess = wide, None
+    if hp.add is not None:
+        excess = jnp.maximum(jnp.abs(wide) - reference, 0) - _const(hp.add, wide)
+        y = jnp.where(excess > 0, wide - excess * jnp.sign(wide), wide)
+    floor = (reference if hp.min_value is None
+             else jnp.maximum(reference, _const(hp.min_value, y)))
+    size = jnp.abs(y)
+    if hp.mul is not None:
+        m, tiny = _const(hp.mul, y), _const(_MIN_RATIO, y)
+        capped = jnp.where(size >= tiny * floor, jnp.sign(y) * (m * floor), y * (m / tiny))
+        y = jnp.where((size > m * floor) | (m < tiny), capped, y)
+    return y, size, floor, excess
+
+
+def _value_stats(x: jax.Array, prev: jax.Array, hp: _Limits, axis_name: AxisName):
+    """``(max ratio, limited somewhere)`` of one leaf, before anything is written."""
+    x, prev = jax.lax.optimization_barrier((x, prev))
+    _, size, floor, excess = _value_limit(x.astype(prev.dtype), prev, hp)
+    ratio = size / floor
+    if hp.min_value is None:   # 0/0 (zero reference and update) has no ratio; torchzero
+        ratio = jnp.where(jnp.isnan(ratio), 0, ratio)   # leaves it alone
+    max_ratio = jnp.maximum(norms.leaf_norm(ratio, float("inf"), axis_name).astype(
+        ratio.dtype), _const(_MIN_RATIO, ratio))
+    limited = jnp.zeros((), bool)
+    if hp.mul is not None:     # ~(m <= mul): also where a NaN was kept in the maximum
+        limited = ~(max_ratio <= _const(hp.mul, max_ratio))
+    if hp.add is not None:
+        top = norms.across(jnp.max(excess, initial=-jnp.inf), "max",
+                           norms.split_axes([x], axis_name)[0])
+        limited = limited | ~(top <= 0)
+    return max_ratio, limited
+
+
+def _value_step(x: jax.Array, prev: jax.Array, first: jax.Array, hp: _Limits,
+                changed: jax.Array):
+    """``(output, new reference)`` of one leaf. ``changed`` (a per-leaf flag that holds
+    wherever the limit changes an element) makes the output read the leaf's statistics,
+    so XLA computes them before it writes over the donated updates."""
+    wide = x.astype(prev.dtype)
+    if hp.add is None and hp.mul is None:   # the identity
+        return x, wide
+    y, size, floor, _ = _value_limit(wide, prev, hp)
+    new_prev = y
+    if hp.max_decay is not None:   # r < 1 / max_decay
+        decay = _const(hp.max_decay, y)
+        slow = (size * decay < floor) & (decay * _const(_MIN_RATIO, y) < 1)
+        new_prev = jnp.where(slow, prev / decay, y)
+    out = jnp.where(first | ~changed, wide, y).astype(x.dtype)
+    return out, jnp.where(first, wide, new_prev)
 
 
 def clip_norm_growth(
@@ -260,71 +310,85 @@ def clip_norm_growth(
     norms.check_axis_name(axis_name)
     state_cls = ClipNormGrowthState if parameterwise else ClipNormGrowthGlobalState
 
-    def divisor_and_reference(n, prev, first, measurable, hp):
-        """Divisor ``d`` and the next reference norm for a group of norm ``n``."""
-        if not measurable:
-            return jnp.ones_like(n), prev
-        p = prev if min_value is None else jnp.maximum(prev, _const(hp.min_value, prev))
-        d = jnp.ones_like(n)
-        if add is not None:
-            cap = p + _const(hp.add, p)
-            d = jnp.where(n > cap, n / cap, d)
-        if mul is not None:
-            cap = p * _const(hp.mul, p)
-            d = jnp.where(n > cap, jnp.maximum(d, n / cap), d)
-        # torchzero also floors d at min_value here: min_value floors the reference only.
-        new_prev = n / d
-        if max_decay is not None:
-            decay = _const(hp.max_decay, p)
-            new_prev = jnp.where(n / p < 1 / decay, p / decay,
-                                 new_prev)
-        if min_value is not None:
-            new_prev = jnp.maximum(new_prev, _const(hp.min_value, new_prev))
-        # The first norm is stored as measured; the min_value floor applies when it is used.
-        return jnp.where(first, 1, d), jnp.where(first, n, new_prev)
-
-    def init_fn(params):
-        if parameterwise:
-            scalar = jax.tree.map(lambda x: jnp.zeros((), norms.acc_dtype(x.dtype))
-                                  if norms.is_float(x) else None, params)
-        else:
-            scalar = jnp.zeros((), jax.eval_shape(lambda t: norms.global_norm(t, ord),
-                                                  params).dtype)
-        zero = jnp.zeros([], jnp.int32)
-        return stats_lib.own_buffers(state_cls(
-            zero, scalar, scalar, jax.tree.map(jnp.ones_like, scalar),
-            jax.tree.map(lambda s: jnp.zeros((), bool), scalar), zero))
+    def group_step(x, n, prev, first, hp):
+        """``(divisor, next reference, finite)`` of a group (a leaf or the list of all leaves)
+        of norm ``n``."""
+        group = x if isinstance(x, list) else [x]
+        measurable = norms.metric_defined(ord, sum(g.size for g in group))
+        n = n.astype(prev.dtype) if measurable else jnp.zeros_like(prev)
+        divisor, reference = _norm_limit(n, prev, first, hp) if measurable else (
+            jnp.ones_like(n), prev)
+        finite = jnp.isfinite(n) & jnp.isfinite(reference)
+        if not (measurable and norms.sees_nonfinite(ord)):   # the norm may miss a NaN
+            finite = finite & stats_lib.all_finite(group)
+        return n, divisor, reference, finite
 
     def update_fn(updates, state, params=None):
         del params
         first = state.count == 0
         hp = _limits_at(state.count, add, mul, min_value, max_decay)
-        leaves, treedef = jax.tree.flatten(updates, is_leaf=lambda x: x is None)
-        floats = [x for x in leaves if norms.is_float(x)]
-        if parameterwise:
-            prevs = treedef.flatten_up_to(state.prev_norm)
-            per_leaf = [None] * len(leaves)
-            for i, (x, prev) in enumerate(zip(leaves, prevs)):
-                if norms.is_float(x):
-                    measurable = norms.metric_defined(ord, x.size)
-                    n = norms.leaf_norm(x, ord, axis_name) if measurable else jnp.zeros_like(prev)
-                    per_leaf[i] = (n, *divisor_and_reference(n, prev, first, measurable, hp))
-            norm, divisor, prev_norm = (
-                treedef.unflatten([p[k] if p else None for p in per_leaf]) for k in range(3))
-            outputs = [norms.divide(x, p[1]) if p else x for x, p in zip(leaves, per_leaf)]
-        else:
-            measurable = norms.metric_defined(ord, sum(x.size for x in floats))
-            norm = (norms.global_norm(floats, ord, axis_name).astype(state.prev_norm.dtype)
-                    if measurable
-                    else jnp.zeros_like(state.prev_norm))
-            divisor, prev_norm = divisor_and_reference(norm, state.prev_norm, first, measurable,
-                                                       hp)
-            outputs = [norms.divide(x, divisor) for x in leaves]
+        if not parameterwise:
+            floats = [x for x in jax.tree.leaves(updates) if norms.is_float(x)]
+            n, divisor, reference, ok = group_step(
+                floats, norms.global_norm(floats, ord, axis_name), state.prev_norm, first, hp)
+            new = state_cls(optax.safe_increment(state.count), reference, n, divisor,
+                            divisor > 1, state.nonfinite)
+            outputs = jax.tree.map(lambda x: norms.scale(x, 1 / divisor), updates)
+            return outputs, stats_lib.commit(norms.all_true(ok, axis_name), new, state)
+        leaves, (prevs,), treedef = norms.flatten_with(updates, state.prev_norm)
+        floats = [i for i, x in enumerate(leaves) if norms.is_float(x)]
+        measured = norms.leaf_norms([leaves[i] for i in floats], ord, axis_name)
+        steps = {i: group_step(leaves[i], n, prevs[i], first, hp)
+                 for i, n in zip(floats, measured)}
+        outputs = list(leaves)
+        for i in floats:
+            # A product, not x / d: XLA:CPU fuses it into each pass of the next transform,
+            # where it would write a quotient out first (it never copies a division).
+            outputs[i] = norms.scale(leaves[i], 1 / steps[i][1])
 
-        clipped = jax.tree.map(lambda d: d > 1, divisor)
-        ok = stats_lib.all_finite((updates, norm, prev_norm), axis_name)
-        new = state_cls(optax.safe_increment(state.count), prev_norm, norm, divisor, clipped,
-                        state.nonfinite)
+        def per_leaf(k):
+            return norms.unflatten_at(treedef, {i: step[k] for i, step in steps.items()})
+
+        ok = stats_lib.all_of([step[3] for step in steps.values()], axis_name)
+        new = state_cls(optax.safe_increment(state.count), per_leaf(2), per_leaf(0), per_leaf(1),
+                        jax.tree.map(lambda d: d > 1, per_leaf(1)), state.nonfinite)
         return treedef.unflatten(outputs), stats_lib.commit(ok, new, state)
 
-    return checks.transformation(init_fn, update_fn)
+    return checks.transformation(
+        lambda params: _norm_growth_init(params, state_cls, parameterwise, ord), update_fn)
+
+
+def _norm_growth_init(params, state_cls, parameterwise: bool, ord) -> Any:
+    """The initial state of :func:`clip_norm_growth`."""
+    if parameterwise:
+        scalar = jax.tree.map(lambda x: jnp.zeros((), norms.acc_dtype(x.dtype))
+                              if norms.is_float(x) else None, params)
+    else:
+        scalar = jnp.zeros((), jax.eval_shape(lambda t: norms.global_norm(t, ord), params).dtype)
+    zero = jnp.zeros([], jnp.int32)
+    return stats_lib.own_buffers(state_cls(
+        zero, scalar, scalar, jax.tree.map(jnp.ones_like, scalar),
+        jax.tree.map(lambda s: jnp.zeros((), bool), scalar), zero))
+
+
+def _norm_limit(n: jax.Array, prev: jax.Array, first: jax.Array, hp: _Limits
+                ) -> tuple[jax.Array, jax.Array]:
+    """clip_norm_growth's rule for a group of norm ``n`` whose reference is ``prev``: the
+    divisor ``d`` and the next reference (limits that are ``None`` in ``hp`` are not used)."""
+    p = prev if hp.min_value is None else jnp.maximum(prev, _const(hp.min_value, prev))
+    d = jnp.ones_like(n)
+    if hp.add is not None:
+        cap = p + _const(hp.add, p)
+        d = jnp.where(n > cap, n / cap, d)
+    if hp.mul is not None:
+        cap = p * _const(hp.mul, p)
+        d = jnp.where(n > cap, jnp.maximum(d, n / cap), d)
+    # torchzero also floors d at min_value here: min_value floors the reference only.
+    new_prev = n / d
+    if hp.max_decay is not None:
+        decay = _const(hp.max_decay, p)
+        new_prev = jnp.where(n / p < 1 / decay, p / decay, new_prev)
+    if hp.min_value is not None:
+        new_prev = jnp.maximum(new_prev, _const(hp.min_value, new_prev))
+    # The first norm is stored as measured; the min_value floor applies when it is used.
+    return jnp.where(first, 1, d), jnp.where(first, n, new_prev)

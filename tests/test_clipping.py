@@ -448,3 +448,19 @@ def test_helpers_validate_and_pass_integer_leaves():
     out = optclip.normalize_grads({"i": jnp.arange(3), "f": jnp.asarray([0.0, 2.0])}, 1.0)
     np.testing.assert_array_equal(out["i"], jnp.arange(3))
     np.testing.assert_array_equal(out["f"], [0.0, 1.0])
+
+
+@pytest.mark.parametrize("make", [lambda: optclip.clip_value(1.0),
+                                  lambda: optclip.clip_norm(1.0, ord=math.inf),
+                                  lambda: optclip.clip_value_by_ema(),
+                                  lambda: optclip.clip_value_growth()],
+                         ids=["clip_value", "clip_norm_inf", "clip_value_by_ema",
+                              "clip_value_growth"])
+def test_a_nan_in_a_large_leaf_is_counted_as_nonfinite(make):
+    # XLA:CPU's fast maximum over large arrays skips NaN: finiteness is not read off a maximum.
+    tx = make()
+    grads = {"w": jnp.ones((512, 512)).at[300, 7].set(jnp.nan)}
+    update = jax.jit(tx.update)
+    _, state = update(grads, tx.init(grads))
+    logged = optclip.stats(state)
+    assert [int(v) for k, v in logged.items() if k.endswith("/nonfinite")] == [1]

@@ -353,10 +353,11 @@ def _slice_root_sum_squares(x: jax.Array, axes: tuple[int, ...],
 def sees_nonfinite(ord: float | str) -> bool:
     """Whether a NaN or Inf element always makes the metric non-finite.
 
-    Not for ``0`` (counts non-zeros), negative orders (``|inf|**p = 0``) or ``-inf`` (the
-    minimum): with those a transform must also check the updates themselves.
+    Not for ``0`` (counts non-zeros), negative orders (``|inf|**p = 0``), ``-inf`` (the
+    minimum) or ``inf`` (XLA:CPU's fast maximum over large arrays skips NaN): with those a
+    transform must also check the updates themselves.
     """
-    return not (ord == 0.0 or ord == -math.inf or (isinstance(ord, float) and ord < 0))
+    return not (ord in (0.0, math.inf, -math.inf) or (isinstance(ord, float) and ord < 0))
 
 
 def metric_defined(ord: float | str, size: int) -> bool:
@@ -374,36 +375,32 @@ def leaf_norm(x: jax.Array, ord: float | str, axis_name: AxisName = None) -> jax
     return slice_norm(x, ord, tuple(range(x.ndim)), split_axes([x], axis_name)[0]).reshape(())
 
 
-def leaf_l2_norms(arrays: list[jax.Array], split: list[tuple[str, ...]], dtype
-                  ) -> list[jax.Array]:
-    """The L2 norm of every array (0-d, in ``dtype``), reading the arrays once.
+def leaf_norms(leaves: list[jax.Array] | Callable[[], list[jax.Array]], ord: float | str,
+               axis_name: AxisName = None) -> list[jax.Array]:
+    """:func:`leaf_norm` of each leaf (0-d, wide dtype), with one overflow test for all.
 
-    Plain sums of squares (small arrays of one shape share a variadic reduce, see
-    :func:`leaf_reductions`), combined across the mesh axes ``split`` names per array; only
-    where one overflowed (one scalar test for all, a ``lax.cond``) recomputed from the array
-    divided by its largest magnitude. Finite and right up to the dtype's range. A list of
-    scalars, not a vector: per-array consumers that index a vector made XLA compile time grow
-    several-fold on trees of hundreds of leaves.
+    For order 2 each leaf is reduced once, ``Σx²`` (small leaves of one shape share a
+    variadic reduce, :func:`leaf_reductions`), combined across the mesh axes ``axis_name``
+    names; only when some sum overflowed (one scalar test for the whole list, ``lax.cond``)
+    are the leaves measured again, scale-safe, by :func:`leaf_norm`. Per leaf,
+    :func:`root_sum_squares` needs a second, scaled sum, which XLA:CPU runs as a second read of
+    large leaves. ``leaves`` may be a function building the list: leaves computed from others
+    (an EMA moved toward the update) are then rebuilt inside the rare branch rather than
+    written out for it. A list of scalars, not a vector: per-leaf consumers that index a vector
+    compile one distinct kernel per leaf (see :func:`leaf_norm_vector` for a vector).
     """
-    wide = [_wide(x) for x in arrays]
-
-    def sums(prepared):
-        partials = leaf_reductions(prepared, jnp.square)
-        return [across(p, "sum", axes).astype(dtype) for p, axes in zip(partials, split)]
-
-    plain = [safe_sqrt(s) for s in sums(wide)]
-    if not plain:
-        return plain
-
-    def rescaled():
-        peaks = [_safe_scale(across(p, "max", axes)) for p, axes in
-                 zip(leaf_reductions(wide, jnp.abs, "max"), split)]
-        again = sums([x / p for x, p in zip(wide, peaks)])
-        return [jnp.where(jnp.isinf(n), p.astype(dtype) * safe_sqrt(s), n)
-                for n, p, s in zip(plain, peaks, again)]
-
+    build = leaves if callable(leaves) else (lambda: leaves)
+    if ord != 2.0:
+        return [leaf_norm(x, ord, axis_name) for x in build()]
+    arrays = build()
+    if not arrays:
+        return []
+    split = split_axes(arrays, axis_name)
+    sums = leaf_reductions(arrays, lambda x: jnp.square(_wide(x)))
+    plain = [safe_sqrt(across(s, "sum", axes)) for s, axes in zip(sums, split)]
     overflow = jnp.any(jnp.isinf(gather_scalars(plain)))
-    return jax.lax.cond(overflow, rescaled, lambda: list(plain))
+    return list(jax.lax.cond(overflow, lambda: [leaf_norm(x, 2.0, axis_name) for x in build()],
+                             lambda: plain))
 
 
 # Same-shape leaves reduced by one variadic reduce, at most this many at a time (compile time
@@ -561,7 +558,7 @@ def _square_partials(leaves: list[jax.Array]) -> tuple[list[jax.Array], list[jax
     return [p for p, _ in pairs], [q for _, q in pairs]
 
 
-def leaf_norms(leaves: list[jax.Array], axis_name: AxisName = None) -> jax.Array:
+def leaf_norm_vector(leaves: list[jax.Array], axis_name: AxisName = None) -> jax.Array:
     """L2 norm of every array in ``leaves`` as one vector (``leaf_norm(x, 2)`` for each).
 
     The per-leaf sums of squares are gathered into two vectors (:func:`gather_scalars`) and
@@ -718,21 +715,38 @@ def scale_slices(
         factor = multiplier(norm)
         return jax.tree.map(lambda x: scale(x, factor), tree), norm
 
-    def one_leaf(x, leaf_dim, leaf_param_ndim):
+    def leaf_axes(x, leaf_dim, leaf_param_ndim):
+        if not is_float(x):
+            return None
+        axes = axes_lib.reduction_axes(x.ndim, leaf_dim, inverse_dims, param_ndim=leaf_param_ndim)
+        if axes is None:
+            return None
+        size = axes_lib.slice_size(x.shape, axes) * axes_size(leaf_split(x, axes))
+        return None if size < min_size else axes
+
+    def leaf_split(x, axes):
+        # One-element slices (no reduced axes) are never split across devices.
+        return split_axes([x], axis_name)[0] if axes else ()
+
+    def one_leaf(x, axes, whole_norm):
         if not is_float(x):
             return x, None
-        axes = axes_lib.reduction_axes(x.ndim, leaf_dim, inverse_dims, param_ndim=leaf_param_ndim)
-        # One-element slices (no reduced axes) are never split across devices.
-        split = split_axes([x], axis_name)[0] if axes else ()
-        if axes is None or axes_lib.slice_size(x.shape, axes) * axes_size(split) < min_size:
+        if axes is None:
             return x, jnp.zeros((), acc_dtype(x.dtype))
-        norm = slice_norm(x, ord, axes, split)
+        norm = (whole_norm.reshape((1,) * x.ndim) if whole_norm is not None
+                else slice_norm(x, ord, axes, leaf_split(x, axes)))
         return scale(x, multiplier(norm)), jnp.squeeze(norm, axis=axes)
 
     leaves, treedef = jax.tree.flatten(tree)
     ndims = ([param_ndim] * len(leaves) if param_ndim is axes_lib._UNSET
              else axes_lib.leaf_param_ndims(param_ndim, tree))
-    results = [one_leaf(x, d, k) for x, d, k in zip(leaves, axes_lib.leaf_dims(dim, tree), ndims)]
+    plan = [leaf_axes(x, d, k) for x, d, k in zip(leaves, axes_lib.leaf_dims(dim, tree), ndims)]
+    # Whole-leaf slices (at least one reduced axis) are measured together: one overflow test
+    # for all of them (leaf_norms).
+    whole = [i for i, (x, axes) in enumerate(zip(leaves, plan))
+             if axes and axes == tuple(range(x.ndim))]
+    measured = dict(zip(whole, leaf_norms([leaves[i] for i in whole], ord, axis_name)))
+    results = [one_leaf(x, axes, measured.get(i)) for i, (x, axes) in enumerate(zip(leaves, plan))]
     return tuple(treedef.unflatten([r[i] for r in results]) for i in range(2))
 
 
@@ -753,3 +767,9 @@ def flatten_with(tree: Any, *others: Any) -> tuple[list, list[list], Any]:
     """
     leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: x is None)
     return leaves, [treedef.flatten_up_to(other) for other in others], treedef
+
+
+def unflatten_at(treedef: Any, values: dict[int, Any]) -> Any:
+    """The tree of ``treedef`` (from :func:`flatten_with`) with ``values[i]`` at leaf ``i`` and
+    ``None`` at the leaves ``values`` leaves out (per-leaf state of the float leaves only)."""
+    return treedef.unflatten([values.get(i) for i in range(treedef.num_leaves)])
