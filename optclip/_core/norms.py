@@ -211,7 +211,8 @@ _SHIFT = {jnp.dtype(jnp.float32): 86, jnp.dtype(jnp.float64): 540}
 # read of the data instead of two of each (XLA:CPU also splits each plain sum into two
 # kernels). XLA:CPU runs a variadic reduce as one sequential loop, exact to rounding at this
 # size but not for large arrays (measured on float32: relative error 1e-6 at 65536 elements,
-# 6e-2 at 38M, where the plain sums stay near 1e-8), so larger arrays keep the two sums.
+# 6e-2 at 38M, where the plain sums stay near 1e-8), so larger arrays keep the two sums; so do arrays on a multi-device
+# mesh (see _may_group).
 _PAIR_MAX_ELEMENTS = 1 << 12
 
 
@@ -230,7 +231,7 @@ def _sum_squares(x: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Ar
     """Plain and scaled sums of squares of ``x`` over ``axes`` (reduced axes dropped)."""
     squares = _squares(x)
     zero = jnp.zeros((), x.dtype)
-    if x.size <= _PAIR_MAX_ELEMENTS:
+    if x.size <= _PAIR_MAX_ELEMENTS and _may_group():
         return tuple(jax.lax.reduce(squares, (zero, zero), _add_pairs, axes))
     return tuple(jax.lax.reduce(v, zero, jax.lax.add, axes) for v in squares)
 
@@ -414,10 +415,12 @@ _REDUCERS = {"sum": (jax.lax.add, 0.0), "max": (jax.lax.max, -math.inf),
 
 
 def _may_group() -> bool:
-    """Whether same-shape leaves may share a variadic reduce.
+    """Whether arrays may be reduced by a variadic reduce (same-shape leaves together, or the
+    plain and scaled sums of squares of one array side by side).
 
-    Only where a single device is visible: leaves of one shape can carry different shardings,
-    and a variadic reduce over them makes XLA reshard (all-to-all, all-gather) to one sharding.
+    Only where a single device is visible: XLA's SPMD partitioner gathers the operands of a
+    variadic reduce over a sharded array (all-gather) instead of reducing each shard, and leaves
+    of one shape can carry different shardings.
     """
     return jax.device_count() == 1
 
@@ -444,7 +447,8 @@ def leaf_reductions(arrays: list[jax.Array], prepare: Callable[[jax.Array], Any]
     def reduce(group: list[int]) -> None:
         operands = tuple(v for i in group for v in parts[i])
         first = operands[0]
-        if len(operands) == 1 or (len(group) == 1 and first.size > _PAIR_MAX_ELEMENTS):
+        if len(operands) == 1 or (len(group) == 1 and (first.size > _PAIR_MAX_ELEMENTS
+                                                        or not _may_group())):
             outs = [jax.lax.reduce(v, jnp.asarray(init, v.dtype), op, tuple(range(v.ndim)))
                     for v in operands]
         else:
