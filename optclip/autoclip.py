@@ -17,10 +17,7 @@ from optclip._core import checks, norms, running
 from optclip._core import stats as stats_lib
 
 __all__ = [
-    "QuantileClipState",
-    "StandardClipState",
-    "quantile_clip",
-    "standard_clip",
+    "QuantileClipState", "StandardClipState", "quantile_clip", "standard_clip",
 ]
 
 
@@ -196,15 +193,10 @@ def standard_clip(
       parity: ``"fixed"`` (default) does not clip while the history holds one norm;
         ``"reference"`` reproduces autoclip, whose std of one sample is NaN, turning every
         gradient of the second call into NaN.
-      axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) (a name or a tuple) the
-        leaves are split over: the norms are combined across devices with ``psum``, so every
-        device takes the same decision and keeps the same state. Not needed under ``jax.jit``
-        with sharded arrays.
+      axis_name: as in :func:`quantile_clip`.
 
     Returns:
-      An ``optax.GradientTransformation`` whose state logs ``norm``, ``threshold`` (the norm
-      itself while there is none), ``scale``, ``clipped`` (per leaf in local mode), ``filled``
-      and ``nonfinite``.
+      An ``optax.GradientTransformation`` whose state logs what :func:`quantile_clip`'s does.
 
     References:
       autoclip 0.2.1 ``StandardClip``. Differences as for

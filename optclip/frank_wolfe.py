@@ -21,13 +21,8 @@ from optclip._core import checks, norms, slices
 from optclip._core import stats as stats_lib
 
 __all__ = [
-    "FrankWolfeState",
-    "L1qFrankWolfeState",
-    "frank_wolfe",
-    "l1_frank_wolfe",
-    "l1q_frank_wolfe",
-    "l2_frank_wolfe",
-    "linf_frank_wolfe",
+    "FrankWolfeState", "L1qFrankWolfeState", "frank_wolfe", "l1_frank_wolfe", "l1q_frank_wolfe",
+    "l2_frank_wolfe", "linf_frank_wolfe",
 ]
 
 

@@ -11,6 +11,7 @@ counts such steps.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -310,18 +311,7 @@ def clip_norm_growth(
     norms.check_axis_name(axis_name)
     state_cls = ClipNormGrowthState if parameterwise else ClipNormGrowthGlobalState
 
-    def group_step(x, n, prev, first, hp):
-        """``(divisor, next reference, finite)`` of a group (a leaf or the list of all leaves)
-        of norm ``n``."""
-        group = x if isinstance(x, list) else [x]
-        measurable = norms.metric_defined(ord, sum(g.size for g in group))
-        n = n.astype(prev.dtype) if measurable else jnp.zeros_like(prev)
-        divisor, reference = _norm_limit(n, prev, first, hp) if measurable else (
-            jnp.ones_like(n), prev)
-        finite = jnp.isfinite(n) & jnp.isfinite(reference)
-        if not (measurable and norms.sees_nonfinite(ord)):   # the norm may miss a NaN
-            finite = finite & stats_lib.all_finite(group)
-        return n, divisor, reference, finite
+    group_step = functools.partial(_group_step, ord=ord)
 
     def update_fn(updates, state, params=None):
         del params
@@ -356,6 +346,20 @@ def clip_norm_growth(
 
     return checks.transformation(
         lambda params: _norm_growth_init(params, state_cls, parameterwise, ord), update_fn)
+
+
+def _group_step(x, n, prev, first, hp, *, ord):
+    """``(divisor, next reference, finite)`` of a group (a leaf or the list of all leaves)
+    of norm ``n``."""
+    group = x if isinstance(x, list) else [x]
+    measurable = norms.metric_defined(ord, sum(g.size for g in group))
+    n = n.astype(prev.dtype) if measurable else jnp.zeros_like(prev)
+    divisor, reference = _norm_limit(n, prev, first, hp) if measurable else (
+        jnp.ones_like(n), prev)
+    finite = jnp.isfinite(n) & jnp.isfinite(reference)
+    if not (measurable and norms.sees_nonfinite(ord)):   # the norm may miss a NaN
+        finite = finite & stats_lib.all_finite(group)
+    return n, divisor, reference, finite
 
 
 def _norm_growth_init(params, state_cls, parameterwise: bool, ord) -> Any:

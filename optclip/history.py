@@ -31,18 +31,9 @@ from optclip._core import checks, norms, running
 from optclip._core import stats as stats_lib
 
 __all__ = [
-    "Criterion",
-    "EMACriterionState",
-    "HistClipState",
-    "ParamHistClipState",
-    "ZScoreCriterionState",
-    "ema_criterion",
-    "hist_clip",
-    "max_clipping",
-    "mean_clipping",
-    "param_hist_clip",
-    "reciprocal_clipping",
-    "zscore_criterion",
+    "Criterion", "EMACriterionState", "HistClipState", "ParamHistClipState",
+    "ZScoreCriterionState", "ema_criterion", "hist_clip", "max_clipping", "mean_clipping",
+    "param_hist_clip", "reciprocal_clipping", "zscore_criterion",
 ]
 
 
@@ -436,12 +427,34 @@ def _judge(criterion: Criterion, state, norm: jax.Array, steps: int, feedback: s
     return crit, should, scale, value.astype(dtype)
 
 
+def _hist_init(params, criterion, warmup_transform, steps, per_leaf):
+    """The fresh state of :func:`hist_clip` (``per_leaf=False``) or :func:`param_hist_clip`."""
+    state_cls = ParamHistClipState if per_leaf else HistClipState
+    dtype = norms.stat_dtype(params)
+    batch = (len(running.float_leaves(params)),) if per_leaf else ()
+    if warmup_transform is None:
+        inner = optax.EmptyState()
+    elif per_leaf:
+        inner = tuple(warmup_transform.init(x) for x in running.float_leaves(params))
+    else:
+        inner = warmup_transform.init(params)
+    zeros = jnp.zeros(batch, dtype)
+    diag = (running.per_leaf_trees(params, zeros, zeros + 1, zeros > 0) if per_leaf
+            else (zeros, zeros + 1, zeros > 0))
+    return stats_lib.own_buffers(state_cls(
+        count=jnp.zeros([], jnp.int32),
+        warmup_norms=jnp.zeros(batch + (max(steps, 1),), dtype),
+        criterion=jax.tree.map(lambda x: jnp.broadcast_to(x, batch + x.shape),
+                               criterion.init(dtype)),
+        warmup_state=inner, norm=diag[0], threshold=diag[0], scale=diag[1],
+        clipped=diag[2], spikes=jnp.zeros([], jnp.int32), nonfinite=jnp.zeros([], jnp.int32)))
+
+
 def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_leaf,
                axis_name=None):
     criterion = _check_hist_args(criterion, warmup_transform, warmup_steps, feedback, parity,
                                  axis_name)
     steps = warmup_steps
-    state_cls = ParamHistClipState if per_leaf else HistClipState
 
     def measure(updates, dtype):
         if per_leaf:
@@ -449,24 +462,7 @@ def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_
         return norms.global_norm(updates, 2.0, axis_name).astype(dtype)
 
     def init_fn(params):
-        dtype = norms.stat_dtype(params)
-        batch = (len(running.float_leaves(params)),) if per_leaf else ()
-        if warmup_transform is None:
-            inner = optax.EmptyState()
-        elif per_leaf:
-            inner = tuple(warmup_transform.init(x) for x in running.float_leaves(params))
-        else:
-            inner = warmup_transform.init(params)
-        zeros = jnp.zeros(batch, dtype)
-        diag = (running.per_leaf_trees(params, zeros, zeros + 1, zeros > 0) if per_leaf
-                else (zeros, zeros + 1, zeros > 0))
-        return stats_lib.own_buffers(state_cls(
-            count=jnp.zeros([], jnp.int32),
-            warmup_norms=jnp.zeros(batch + (max(steps, 1),), dtype),
-            criterion=jax.tree.map(lambda x: jnp.broadcast_to(x, batch + x.shape),
-                                   criterion.init(dtype)),
-            warmup_state=inner, norm=diag[0], threshold=diag[0], scale=diag[1],
-            clipped=diag[2], spikes=jnp.zeros([], jnp.int32), nonfinite=jnp.zeros([], jnp.int32)))
+        return _hist_init(params, criterion, warmup_transform, steps, per_leaf)
 
     def warm_phase(updates, state, params, norm, crit_scale, threshold):
         """Output, inner state, scale and threshold, each picked for warm-up or not."""

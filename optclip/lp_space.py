@@ -28,18 +28,8 @@ from optclip._core import checks, norms, slices
 from optclip._core import stats as stats_lib
 
 __all__ = [
-    "ClampState",
-    "L1NormalizeState",
-    "L1qState",
-    "L2NormalizeState",
-    "LpNormalizeState",
-    "TopQState",
-    "clamp",
-    "l1_normalize",
-    "l1q_normalize",
-    "l2_normalize",
-    "sign",
-    "top_q",
+    "ClampState", "L1NormalizeState", "L1qState", "L2NormalizeState", "LpNormalizeState",
+    "TopQState", "clamp", "l1_normalize", "l1q_normalize", "l2_normalize", "sign", "top_q",
 ]
 
 

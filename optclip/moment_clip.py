@@ -310,10 +310,7 @@ def adamw_clip(
       min_threshold: the smallest threshold, ``>= 0``.
       warmup_steps: the first steps without clipping, ``>= 0``.
       b2: the wrapped adam's ``b2`` (for the bias correction of ``nu``), in ``[0, 1)``.
-      axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) (a name or a tuple) the
-        leaves are split over: the clipped fraction and the finiteness check are combined
-        across devices with ``psum``, so every device keeps the same state. Not needed under
-        ``jax.jit`` with sharded arrays.
+      axis_name: as in :func:`spam_clip`.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; ``optclip.stats`` reports

@@ -21,13 +21,8 @@ from optclip._core import checks, norms, slices
 from optclip._core import stats as stats_lib
 
 __all__ = [
-    "ClampParamsState",
-    "ProjectL2BallState",
-    "ProjectLinfBallState",
-    "RENORM_EPS",
-    "clamp_params",
-    "project_l2_ball",
-    "project_linf_ball",
+    "ClampParamsState", "ProjectL2BallState", "ProjectLinfBallState", "RENORM_EPS", "clamp_params",
+    "project_l2_ball", "project_linf_ball",
 ]
 
 

@@ -8,6 +8,7 @@ the reference's own numbers where they differ from the paper's intent.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -18,8 +19,7 @@ from optclip._core import checks, norms, running
 from optclip._core import stats as stats_lib
 
 __all__ = [
-    "ZClipState",
-    "zclip",
+    "ZClipState", "zclip",
 ]
 
 
@@ -133,6 +133,8 @@ def zclip(
                                     axis_name)
     fixed = parity == "fixed"
     steps = max(warmup_steps, 1)
+    rule = functools.partial(_rule, z_thresh=z_thresh, mode=mode, eps=eps,
+                             clip_option=clip_option, clip_factor=clip_factor, fixed=fixed)
 
     def init_fn(params):
         dtype = norms.stat_dtype(params)
@@ -141,22 +143,6 @@ def zclip(
             jnp.zeros([], jnp.int32), jnp.zeros((steps,), dtype), zero, zero, zero, zero,
             zero + 1, jnp.zeros([], bool), jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32),
             jnp.zeros([], jnp.int32)))
-
-    def rule(norm, mean, std, step, dtype):
-        """(spike, threshold, detect) of the active phase, and the resolved cap."""
-        z_limit = checks.resolve(z_thresh, step, dtype)
-        if mode == "percentile":
-            threshold = mean + z_limit * std
-            spike, detect = norm > threshold, threshold
-        else:
-            detect = mean + z_limit * (std + eps)  # spike iff z > z_limit iff norm > detect
-            z = (norm - mean) / (std + eps)
-            spike = z > z_limit
-            threshold = (mean if clip_option == "mean" else checks.resolve(
-                clip_factor, step, dtype) * (mean + z_limit * std / (z / z_limit)))
-        if fixed:  # a variance of 0 carries no information; detect nothing yet.
-            spike = spike & ~_constant(mean, std)
-        return spike, threshold, detect
 
     def update_fn(updates, state, params=None):
         del params
@@ -167,18 +153,8 @@ def zclip(
         mean, var = state.mean, state.var
         std = norms.safe_sqrt(var)
         spike, threshold, detect = rule(norm, mean, std, state.step, dtype)
-        adaptive = jnp.where(spike, threshold, norm)
-        # Python min(adaptive, cap): the first argument wins ties and NaN.
-        eff = adaptive if cap is None else jnp.where(cap < adaptive, cap, adaptive)
-        # The logged threshold: eff on a spike, else the norm above which this call would clip.
-        limit = jnp.where(spike, threshold, detect)
-        if fixed:
-            limit = jnp.where(_constant(mean, std), jnp.inf, limit)
-        limit = limit if cap is None else jnp.minimum(limit, cap)
-        limit = jnp.where(warm, jnp.inf if cap is None else cap, limit)
-        warm_scale = jnp.ones((), dtype) if cap is None else running.torch_clip_factor(cap, norm)
-        active_scale = jnp.where(norm > eff, eff / (norm + running.TORCH_EPS), 1)
-        scale = jnp.where(warm, warm_scale, active_scale).astype(dtype)
+        limit, scale = _limit_and_scale(norm, spike, threshold, detect, warm, cap,
+                                        fixed and _constant(mean, std))
         fed = jnp.where(spike, threshold, norm)
         buffer, new_mean, new_var = _statistics(state, norm, fed, spike, alpha, steps,
                                                 skip_update_on_spike)
@@ -194,6 +170,44 @@ def zclip(
             scale=stats_lib.keep_finite(scale, state.scale), clipped=scale < 1)
 
     return checks.transformation(init_fn, update_fn)
+
+
+def _rule(norm, mean, std, step, dtype, *, z_thresh, mode, eps, clip_option, clip_factor,
+          fixed):
+    """(spike, threshold, detect) of the active phase: whether this norm is a spike, the norm
+    a spike is clipped to, and the norm above which a call counts as one."""
+    z_limit = checks.resolve(z_thresh, step, dtype)
+    if mode == "percentile":
+        threshold = mean + z_limit * std
+        spike, detect = norm > threshold, threshold
+    else:
+        detect = mean + z_limit * (std + eps)  # spike iff z > z_limit iff norm > detect
+        z = (norm - mean) / (std + eps)
+        spike = z > z_limit
+        threshold = (mean if clip_option == "mean" else checks.resolve(
+            clip_factor, step, dtype) * (mean + z_limit * std / (z / z_limit)))
+    if fixed:  # a variance of 0 carries no information; detect nothing yet.
+        spike = spike & ~_constant(mean, std)
+    return spike, threshold, detect
+
+
+def _limit_and_scale(norm, spike, threshold, detect, warm, cap, constant):
+    """The logged threshold and the factor the updates are multiplied by.
+
+    During the warm-up only the cap ``max_grad_norm`` acts (torch's rule); afterwards a spike
+    is clipped to ``threshold`` and every norm to the cap. The logged threshold is the norm
+    above which this call clips (infinite, then replaced by the norm, when nothing would).
+    """
+    dtype = norm.dtype
+    adaptive = jnp.where(spike, threshold, norm)
+    # Python min(adaptive, cap): the first argument wins ties and NaN.
+    eff = adaptive if cap is None else jnp.where(cap < adaptive, cap, adaptive)
+    limit = jnp.where(constant, jnp.inf, jnp.where(spike, threshold, detect))
+    limit = limit if cap is None else jnp.minimum(limit, cap)
+    limit = jnp.where(warm, jnp.inf if cap is None else cap, limit)
+    warm_scale = jnp.ones((), dtype) if cap is None else running.torch_clip_factor(cap, norm)
+    active_scale = jnp.where(norm > eff, eff / (norm + running.TORCH_EPS), 1)
+    return limit, jnp.where(warm, warm_scale, active_scale).astype(dtype)
 
 
 def _check_args(alpha, z_thresh, max_grad_norm, eps, warmup_steps, mode, clip_option,
