@@ -211,8 +211,8 @@ _SHIFT = {jnp.dtype(jnp.float32): 86, jnp.dtype(jnp.float64): 540}
 # read of the data instead of two of each (XLA:CPU also splits each plain sum into two
 # kernels). XLA:CPU runs a variadic reduce as one sequential loop, exact to rounding at this
 # size but not for large arrays (measured on float32: relative error 1e-6 at 65536 elements,
-# 6e-2 at 38M, where the plain sums stay near 1e-8), so larger arrays keep the two sums; so do arrays on a multi-device
-# mesh (see _may_group).
+# 6e-2 at 38M, where the plain sums stay near 1e-8), so larger arrays keep the two sums; so
+# do arrays where several devices are visible (see _may_group).
 _PAIR_MAX_ELEMENTS = 1 << 12
 
 
