@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from optclip._core import axes as axes_lib
-from optclip._core import checks, norms
+from optclip._core import checks, norms, slices, trees
 from optclip._core import stats as stats_lib
 from optclip._core.axes import Dim
 from optclip._core.checks import ScalarOrSchedule
@@ -146,7 +146,7 @@ def _read_first(bound, peak: jax.Array, finite: jax.Array) -> jax.Array:
 def _clip_grad_norm(grads, max_norm, ord, dim, inverse_dims, min_size, min_norm, axis_name=None):
     """Returns ``(clipped tree, norms)``; shared by the helper and ``clip_norm``."""
     def multiplier(norm):
-        hi = (norms.clip_multiplier(norm, jnp.asarray(max_norm, norm.dtype))
+        hi = (slices.clip_multiplier(norm, jnp.asarray(max_norm, norm.dtype))
               if max_norm is not None else jnp.ones_like(norm))
         if min_norm is None:
             return hi
@@ -155,7 +155,7 @@ def _clip_grad_norm(grads, max_norm, ord, dim, inverse_dims, min_size, min_norm,
         grow = (norm > norms.TINY_NORM) & (norm < lo)
         return hi * jnp.where(grow, lo / jnp.where(grow, norm, 1), 1)
 
-    return norms.scale_slices(grads, ord, multiplier, dim=dim, inverse_dims=inverse_dims,
+    return slices.scale_slices(grads, ord, multiplier, dim=dim, inverse_dims=inverse_dims,
                               min_size=min_size, axis_name=axis_name)
 
 
@@ -207,9 +207,9 @@ def clip_grad_norm(
 def _normalized(grads, norm_value, ord, dim, inverse_dims, min_size, eps, axis_name=None):
     """Returns ``(normalized tree, norms)``; shared by the helper and ``normalize``."""
     def multiplier(norm):
-        return norms.normalize_multiplier(norm, jnp.asarray(norm_value, norm.dtype), eps)
+        return slices.normalize_multiplier(norm, jnp.asarray(norm_value, norm.dtype), eps)
 
-    return norms.scale_slices(grads, ord, multiplier, dim=dim, inverse_dims=inverse_dims,
+    return slices.scale_slices(grads, ord, multiplier, dim=dim, inverse_dims=inverse_dims,
                               min_size=min_size, axis_name=axis_name)
 
 
@@ -301,7 +301,7 @@ def clip_value(value: ScalarOrSchedule, axis_name: AxisName = None
             peak, finite = max_abs(g), stats_lib.leaf_finite(g)
             return _clamp(g, _read_first(bound, peak, finite)), peak, peak > bound, finite
 
-        new_updates, peak, clipped, finite = norms.tree_unzip(one_leaf, updates, 4)
+        new_updates, peak, clipped, finite = trees.tree_unzip(one_leaf, updates, 4)
         return new_updates, _advance(state, stats_lib.all_of(jax.tree.leaves(finite), axis_name),
                                      max_abs=peak, clipped=clipped)
 
@@ -355,7 +355,7 @@ def clip_by_global_norm(max_norm: ScalarOrSchedule = 1.0, ord: Ord = 2,
         del params
         bound = checks.resolve(max_norm, state.count, norms.stat_dtype())
         norm = norms.global_norm(updates, ord, axis_name)
-        factor = norms.clip_multiplier(norm, bound.astype(norm.dtype))
+        factor = slices.clip_multiplier(norm, bound.astype(norm.dtype))
         new_updates = jax.tree.map(lambda g: norms.scale(g, factor), updates)
         norm = norm.astype(state.norm.dtype)
         return new_updates, _advance(

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optclip._core import checks, norms, running
+from optclip._core import checks, norms, running, trees
 from optclip._core import stats as stats_lib
 from optclip._core.norms import AxisName, Ord
 
@@ -216,7 +216,7 @@ def _norm_by_ema(divisor_rule, state_cls, beta, ord, eps, tensorwise, max_ema_gr
 
         def group_step(x, a, b, r_prev, growth):
             return _group_step(x, a, b, r_prev, first, growth, divisor_rule, ord, eps, axis_name)
-        leaves, (old, r_prev), treedef = norms.flatten_with(
+        leaves, (old, r_prev), treedef = trees.flatten_with(
             updates, state.ema, state.ema_norm if tensorwise else state.ema)
         floats = [i for i, x in enumerate(leaves) if norms.is_float(x)]
 
@@ -245,7 +245,7 @@ def _norm_by_ema(divisor_rule, state_cls, beta, ord, eps, tensorwise, max_ema_gr
         def per_group(get):
             if not tensorwise:
                 return get(whole)
-            return norms.unflatten_at(treedef, {i: get(steps[i]) for i in floats})
+            return trees.unflatten_at(treedef, {i: get(steps[i]) for i in floats})
 
         new = state_cls(optax.safe_increment(state.count), treedef.unflatten(ema),
                         per_group(lambda s: s[1].ema_norm), per_group(lambda s: s[0]),
@@ -449,7 +449,7 @@ def clip_value_by_ema(
             jax.tree.map(lambda s: jnp.zeros((), bool), per_leaf), zero))
 
     def update_fn(updates, state, params=None):
-        leaves, (old,), treedef = norms.flatten_with(updates, state.ema)
+        leaves, (old,), treedef = trees.flatten_with(updates, state.ema)
         floats = [i for i, x in enumerate(leaves) if norms.is_float(x)]
         first = state.count == 0
         # The step's statistics first: a non-finite step leaves the EMA as it was.
@@ -463,8 +463,8 @@ def clip_value_by_ema(
         bound, transform_state = transform.update(ema_tree, state.ema_transform_state, params)
         outputs, clipped = _clamp_to(leaves, treedef.flatten_up_to(bound), floats, axis_name)
         new = ClipValueByEMAState(optax.safe_increment(state.count), ema_tree, transform_state,
-                                  norms.unflatten_at(treedef, peak),
-                                  norms.unflatten_at(treedef, clipped), state.nonfinite)
+                                  trees.unflatten_at(treedef, peak),
+                                  trees.unflatten_at(treedef, clipped), state.nonfinite)
         # The EMA was committed above (the bound reads it): not a second select over it.
         return treedef.unflatten(outputs), stats_lib.commit(ok, new, state)._replace(
             ema=ema_tree)

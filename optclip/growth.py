@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optclip._core import checks, norms
+from optclip._core import checks, norms, trees
 from optclip._core import stats as stats_lib
 from optclip._core.norms import AxisName, Ord
 
@@ -155,7 +155,7 @@ def clip_value_growth(
 
     def update_fn(updates, state, params=None):
         del params
-        leaves, (prevs,), treedef = norms.flatten_with(updates, state.prev)
+        leaves, (prevs,), treedef = trees.flatten_with(updates, state.prev)
         floats = [i for i, x in enumerate(leaves) if norms.is_float(x)]
         first = state.count == 0
         hp = _limits_at(state.count, add, mul, min_value, max_decay)
@@ -175,7 +175,7 @@ def clip_value_growth(
         clipped = {i: c & ~first for i, (_, c) in stats.items()}
         new = ClipValueGrowthState(
             optax.safe_increment(state.count), treedef.unflatten(new_prev),
-            norms.unflatten_at(treedef, max_ratio), norms.unflatten_at(treedef, clipped),
+            trees.unflatten_at(treedef, max_ratio), trees.unflatten_at(treedef, clipped),
             state.nonfinite)
         return treedef.unflatten(outputs), stats_lib.commit(ok, new, state)
 
@@ -325,7 +325,7 @@ def clip_norm_growth(
                             divisor > 1, state.nonfinite)
             outputs = jax.tree.map(lambda x: norms.scale(x, 1 / divisor), updates)
             return outputs, stats_lib.commit(norms.all_true(ok, axis_name), new, state)
-        leaves, (prevs,), treedef = norms.flatten_with(updates, state.prev_norm)
+        leaves, (prevs,), treedef = trees.flatten_with(updates, state.prev_norm)
         floats = [i for i, x in enumerate(leaves) if norms.is_float(x)]
         measured = norms.leaf_norms([leaves[i] for i in floats], ord, axis_name)
         steps = {i: group_step(leaves[i], n, prevs[i], first, hp)
@@ -337,7 +337,7 @@ def clip_norm_growth(
             outputs[i] = norms.scale(leaves[i], 1 / steps[i][1])
 
         def per_leaf(k):
-            return norms.unflatten_at(treedef, {i: step[k] for i, step in steps.items()})
+            return trees.unflatten_at(treedef, {i: step[k] for i, step in steps.items()})
 
         ok = stats_lib.all_of([step[3] for step in steps.values()], axis_name)
         new = state_cls(optax.safe_increment(state.count), per_leaf(2), per_leaf(0), per_leaf(1),

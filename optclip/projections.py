@@ -128,7 +128,7 @@ def project_l2_ball(epsilon: float, param_ndim: int | None = -1, *, exact: bool 
             bound = jnp.asarray(radius).astype(norm.dtype)
             return jnp.where(norm > bound, bound / (norm + jnp.asarray(renorm_eps, norm.dtype)), 1)
 
-        projected, measured = norms.scale_slices(targets, 2.0, multiplier, param_ndim=param_ndim,
+        projected, measured = slices.scale_slices(targets, 2.0, multiplier, param_ndim=param_ndim,
                                                  axis_name=axis_name)
         outside = jax.tree.map(lambda n: n > jnp.asarray(radius).astype(n.dtype), measured)
         return projected, measured, outside

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from optclip._core import axes as axes_lib
-from optclip._core import checks, norms
+from optclip._core import checks, norms, slices
 from optclip._core import stats as stats_lib
 from optclip._core.checks import ScalarOrSchedule
 from optclip._core.norms import AxisName
@@ -177,7 +177,7 @@ def adaptive_grad_clip(
         w_norm = norms.slice_norm(p, 2.0, axes, split).astype(g_norm.dtype)
         floor = jnp.maximum(w_norm, jnp.asarray(eps, g_norm.dtype))
         allowed = bound.astype(g_norm.dtype) * floor
-        out = norms.scale(g, norms.clip_multiplier(g_norm, allowed))
+        out = norms.scale(g, slices.clip_multiplier(g_norm, allowed))
         ratio = g_norm / floor
         clipped = jnp.mean((g_norm > allowed).astype(g_norm.dtype))
         return out, jnp.max(ratio, initial=0), clipped

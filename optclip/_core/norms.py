@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optclip._core import axes as axes_lib
 from optclip._core import checks
 
 Ord = int | float | str
@@ -529,16 +528,20 @@ def global_norm(tree: Any, ord: float | str = 2.0, axis_name: AxisName = None) -
     ``ord=0`` counts non-zeros instead of raising. Inside ``shard_map``/``pmap``,
     ``axis_name`` names the mesh axes the leaves are split over: the partial reductions are
     combined across devices (one scalar collective per group of leaves split alike).
-    Scale-safe: where the plain sum overflowed (one scalar test, :func:`overflow_safe`), it is
-    recomputed from the leaves divided by the largest magnitude of the tree; the common case
-    reads the leaves once.
+    Scale-safe: order 2 takes the sum of squares scaled by ``2**-86`` where the plain one
+    overflowed (small leaves give both in one variadic reduce; large leaves are read a second
+    time only on such a step, under one scalar ``lax.cond``); other orders that can overflow
+    are recomputed from the leaves divided by the largest magnitude (:func:`overflow_safe`).
+    The common case reads the leaves once.
     """
     leaves = _float_leaves(tree)
     split = split_axes(leaves, axis_name)
     if ord == 2.0 and _one_wide_dtype(leaves):
-        plain, scaled = _square_partials(leaves)
-        shift = _SHIFT[acc_dtype(leaves[0].dtype)]
-        return _root_of_squares(tree_sum(plain, split), tree_sum(scaled, split), shift)
+        plain, scaled, lazy = _square_partials(leaves)
+        total = tree_sum(plain, split)
+        scaled_total = _when_overflowed(jnp.isinf(total), lambda: tree_sum(scaled(), split),
+                                        total, lazy)
+        return _root_of_squares(total, scaled_total, _SHIFT[acc_dtype(leaves[0].dtype)])
     if not (_power_norm(ord) or ord in (2.0, "std")):
         return _plain_global_norm(leaves, ord, split)
 
@@ -556,10 +559,39 @@ def _one_wide_dtype(leaves: list[jax.Array]) -> bool:
     return bool(leaves) and len({acc_dtype(x.dtype) for x in leaves}) == 1
 
 
-def _square_partials(leaves: list[jax.Array]) -> tuple[list[jax.Array], list[jax.Array]]:
-    """Per leaf, the plain and the scaled sum of squares (see :data:`_SHIFT`), one pass each."""
-    pairs = leaf_reductions(leaves, lambda x: _squares(_wide(x)))
-    return [p for p, _ in pairs], [q for _, q in pairs]
+def _square_partials(leaves: list[jax.Array]) -> tuple[list[jax.Array], Callable[[], list], bool]:
+    """Per leaf, the plain sum of squares, and a function giving the scaled sums (see
+    :data:`_SHIFT`): each leaf is read once.
+
+    Small leaves on a single device get both sums from one variadic reduce, so their scaled
+    sums come for free; a large leaf's scaled sum is a second read of it, so the function
+    computes it only when called (under :func:`_when_overflowed`, on the rare step whose plain
+    sum overflowed). The third entry says whether the function reads any leaf (``lazy``).
+    """
+    paired = [x.size <= _PAIR_MAX_ELEMENTS and _may_group() for x in leaves]
+    pairs = leaf_reductions([x for x, p in zip(leaves, paired) if p],
+                            lambda x: _squares(_wide(x)))
+    singles = [x for x, p in zip(leaves, paired) if not p]
+    plain_singles = leaf_reductions(singles, lambda x: jax.lax.square(_wide(x)))
+
+    def merge(from_pairs, from_singles):
+        it_p, it_s = iter(from_pairs), iter(from_singles)
+        return [next(it_p) if p else next(it_s) for p in paired]
+
+    def scaled():
+        return merge([q for _, q in pairs],
+                     leaf_reductions(singles, lambda x: _squares(_wide(x))[1]))
+
+    return merge([p for p, _ in pairs], plain_singles), scaled, bool(singles)
+
+
+def _when_overflowed(overflow: jax.Array, scaled_total: Callable[[], jax.Array],
+                     like: jax.Array, lazy: bool) -> jax.Array:
+    """``scaled_total()``; where computing it needs a second read of large leaves, only on a
+    step whose plain sum ``overflow``-ed (one scalar ``lax.cond``; zeros otherwise, unused)."""
+    if not lazy:
+        return scaled_total()
+    return jax.lax.cond(jnp.any(overflow), scaled_total, lambda: jnp.zeros_like(like))
 
 
 def leaf_norm_vector(leaves: list[jax.Array], axis_name: AxisName = None) -> jax.Array:
@@ -576,10 +608,14 @@ def leaf_norm_vector(leaves: list[jax.Array], axis_name: AxisName = None) -> jax
         return gather_scalars([leaf_norm(x, 2.0, axis_name).astype(stat_dtype())
                                for x in leaves])
     split = split_axes(leaves, axis_name)
-    plain, scaled = _square_partials(leaves)
-    plain, scaled = ([across(v, "sum", axes) for v, axes in zip(vs, split)]
-                     for vs in (plain, scaled))
-    return _root_of_squares(gather_scalars(plain), gather_scalars(scaled),
+    plain, scaled, lazy = _square_partials(leaves)
+
+    def combined(values):
+        return gather_scalars([across(v, "sum", axes) for v, axes in zip(values, split)])
+
+    plain = combined(plain)
+    return _root_of_squares(plain, _when_overflowed(jnp.isinf(plain),
+                                                    lambda: combined(scaled()), plain, lazy),
                             _SHIFT[acc_dtype(leaves[0].dtype)])
 
 
@@ -652,128 +688,8 @@ def ldexp(x: jax.Array, k: jax.Array) -> jax.Array:
     return x * pow2(half, x.dtype) * pow2(k - half, x.dtype)
 
 
-# ---------------------------------------------------------------------------------------------
-# Scaling rules. A multiplier is formed from the norm and multiplied in (one fused pass, and
-# XLA can fuse it into the next transform; no select between two versions of every leaf).
-
-def clip_multiplier(norm: jax.Array, max_norm: jax.Array) -> jax.Array:
-    """``min(1, max_norm / norm)``, exactly 1 whenever ``norm <= max_norm`` (also for 0 or NaN)."""
-    # The second where keeps the derivative finite at norm == 0 (the unselected branch).
-    over = norm > max_norm
-    return jnp.where(over, max_norm / jnp.where(over, norm, 1), jnp.ones_like(norm))
-
-
-def normalize_multiplier(norm: jax.Array, target: jax.Array, eps=None) -> jax.Array:
-    """``target / norm``; ``target / (norm + eps)`` in the eps mode.
-
-    Without ``eps`` a slice whose metric is ``<= 1e-12`` (or NaN) is left unchanged, in the
-    per-slice and the global path alike (torchzero 0.4.4 differs between them and returns NaN
-    globally for a zero update).
-    """
-    if eps is not None:
-        return target / (norm + eps)
-    return jnp.where(norm > TINY_NORM, target / jnp.where(norm > TINY_NORM, norm, 1), 1)
-
-
 def scale(x: jax.Array, factor: jax.Array) -> jax.Array:
     """``x * factor`` computed in the wide dtype and cast back to ``x``'s dtype."""
     if not is_float(x):
         return x
     return (_wide(x) * factor.astype(acc_dtype(x.dtype))).astype(x.dtype)
-
-
-def divide(x: jax.Array, divisor: jax.Array) -> jax.Array:
-    """``x / divisor`` computed in the wide dtype and cast back to ``x``'s dtype.
-
-    For references that divide by a precomputed divisor rather than multiply by its inverse
-    (torchzero's EMA and growth clippers): the last bit can differ.
-    """
-    if not is_float(x):
-        return x
-    return (_wide(x) / divisor.astype(acc_dtype(x.dtype))).astype(x.dtype)
-
-
-def scale_slices(
-    tree: Any,
-    ord: float | str,
-    multiplier: Callable[[jax.Array], jax.Array],
-    *,
-    dim: axes_lib.Dim = None,
-    inverse_dims: bool = False,
-    min_size: int = 1,
-    param_ndim=axes_lib._UNSET,
-    axis_name: AxisName = None,
-) -> tuple[Any, Any]:
-    """Scale every slice by ``multiplier(norm)``; returns ``(scaled tree, norms tree)``.
-
-    With ``dim='global'`` all leaves form one slice: one global norm (a scalar) and one factor.
-    Otherwise norms come back per leaf in the wide dtype with the reduced axes squeezed out.
-    Leaves that the axes rule leaves alone (no axes, or slices smaller than ``min_size``) are
-    returned unchanged with a 0-d zero norm; non-float leaves pass through with a ``None`` norm.
-    ``axis_name``: the mesh axes (inside ``shard_map``/``pmap``) a leaf's reduced axes are
-    split over; per-slice partial reductions are combined across them. ``param_ndim`` (instead
-    of ``dim``) may be per leaf like ``dim`` (:func:`optclip._core.axes.leaf_param_ndims`).
-    """
-    if dim == axes_lib.GLOBAL:
-        norm = global_norm(tree, ord, axis_name)
-        factor = multiplier(norm)
-        return jax.tree.map(lambda x: scale(x, factor), tree), norm
-
-    def leaf_axes(x, leaf_dim, leaf_param_ndim):
-        if not is_float(x):
-            return None
-        axes = axes_lib.reduction_axes(x.ndim, leaf_dim, inverse_dims, param_ndim=leaf_param_ndim)
-        if axes is None:
-            return None
-        size = axes_lib.slice_size(x.shape, axes) * axes_size(leaf_split(x, axes))
-        return None if size < min_size else axes
-
-    def leaf_split(x, axes):
-        # One-element slices (no reduced axes) are never split across devices.
-        return split_axes([x], axis_name)[0] if axes else ()
-
-    def one_leaf(x, axes, whole_norm):
-        if not is_float(x):
-            return x, None
-        if axes is None:
-            return x, jnp.zeros((), acc_dtype(x.dtype))
-        norm = (whole_norm.reshape((1,) * x.ndim) if whole_norm is not None
-                else slice_norm(x, ord, axes, leaf_split(x, axes)))
-        return scale(x, multiplier(norm)), jnp.squeeze(norm, axis=axes)
-
-    leaves, treedef = jax.tree.flatten(tree)
-    ndims = ([param_ndim] * len(leaves) if param_ndim is axes_lib._UNSET
-             else axes_lib.leaf_param_ndims(param_ndim, tree))
-    plan = [leaf_axes(x, d, k) for x, d, k in zip(leaves, axes_lib.leaf_dims(dim, tree), ndims)]
-    # Whole-leaf slices (at least one reduced axis) are measured together: one overflow test
-    # for all of them (leaf_norms).
-    whole = [i for i, (x, axes) in enumerate(zip(leaves, plan))
-             if axes and axes == tuple(range(x.ndim))]
-    measured = dict(zip(whole, leaf_norms([leaves[i] for i in whole], ord, axis_name)))
-    results = [one_leaf(x, axes, measured.get(i)) for i, (x, axes) in enumerate(zip(leaves, plan))]
-    return tuple(treedef.unflatten([r[i] for r in results]) for i in range(2))
-
-
-def tree_unzip(fn: Callable[[Any], tuple], tree: Any, n: int) -> tuple[Any, ...]:
-    """Map ``fn`` (leaf -> n-tuple) over ``tree`` and return ``n`` trees of the same structure."""
-    leaves, treedef = jax.tree.flatten(tree)
-    results = [fn(x) for x in leaves]
-    return tuple(treedef.unflatten([r[i] for r in results]) for i in range(n))
-
-
-def flatten_with(tree: Any, *others: Any) -> tuple[list, list[list], Any]:
-    """Leaves of ``tree`` (``None`` kept as a leaf) and the matching entries of ``others``.
-
-    ``others`` are trees built from ``tree`` by a ``jax.tree.map`` that returns ``None`` for
-    some leaves (e.g. per-leaf state with ``None`` for integer leaves); they are flattened up
-    to ``tree``'s structure, so position ``i`` of every list belongs to the same leaf. Returns
-    ``(leaves, [other_leaves, ...], treedef)``; ``treedef.unflatten`` rebuilds any of them.
-    """
-    leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: x is None)
-    return leaves, [treedef.flatten_up_to(other) for other in others], treedef
-
-
-def unflatten_at(treedef: Any, values: dict[int, Any]) -> Any:
-    """The tree of ``treedef`` (from :func:`flatten_with`) with ``values[i]`` at leaf ``i`` and
-    ``None`` at the leaves ``values`` leaves out (per-leaf state of the float leaves only)."""
-    return treedef.unflatten([values.get(i) for i in range(treedef.num_leaves)])

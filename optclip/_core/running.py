@@ -11,7 +11,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from optclip._core import checks, norms
+from optclip._core import checks, norms, trees
 
 Parity = Literal["fixed", "reference"]
 
@@ -97,9 +97,9 @@ def apply_scale(updates: Any, factor: jax.Array, per_leaf: bool, old: dict[str, 
     """
     names = list(diagnostics)
     if per_leaf:
-        trees = per_leaf_trees(updates, factor, *diagnostics.values())
-        factors, values = trees[0], dict(zip(names, trees[1:]))
-        leaves, (factor_leaves,), treedef = norms.flatten_with(updates, factors)
+        rows = per_leaf_trees(updates, factor, *diagnostics.values())
+        factors, values = rows[0], dict(zip(names, rows[1:]))
+        leaves, (factor_leaves,), treedef = trees.flatten_with(updates, factors)
         scaled = treedef.unflatten([norms.scale(x, f) if f is not None else x
                                     for x, f in zip(leaves, factor_leaves)])
     else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -357,3 +358,87 @@ def clip(x: jax.Array, low: Any, high: Any) -> jax.Array:
     low = None if low is None else jnp.asarray(low).astype(x.dtype)
     high = None if high is None else jnp.asarray(high).astype(x.dtype)
     return jnp.clip(x, low, high)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scaling rules. A multiplier is formed from the norm and multiplied in (one fused pass, and
+# XLA can fuse it into the next transform; no select between two versions of every leaf).
+
+def clip_multiplier(norm: jax.Array, max_norm: jax.Array) -> jax.Array:
+    """``min(1, max_norm / norm)``, exactly 1 whenever ``norm <= max_norm`` (also for 0 or NaN)."""
+    # The second where keeps the derivative finite at norm == 0 (the unselected branch).
+    over = norm > max_norm
+    return jnp.where(over, max_norm / jnp.where(over, norm, 1), jnp.ones_like(norm))
+
+
+def normalize_multiplier(norm: jax.Array, target: jax.Array, eps=None) -> jax.Array:
+    """``target / norm``; ``target / (norm + eps)`` in the eps mode.
+
+    Without ``eps`` a slice whose metric is ``<= 1e-12`` (or NaN) is left unchanged, in the
+    per-slice and the global path alike (torchzero 0.4.4 differs between them and returns NaN
+    globally for a zero update).
+    """
+    if eps is not None:
+        return target / (norm + eps)
+    return jnp.where(norm > norms.TINY_NORM, target / jnp.where(norm > norms.TINY_NORM, norm, 1), 1)
+
+
+def scale_slices(
+    tree: Any,
+    ord: float | str,
+    multiplier: Callable[[jax.Array], jax.Array],
+    *,
+    dim: axes_lib.Dim = None,
+    inverse_dims: bool = False,
+    min_size: int = 1,
+    param_ndim=axes_lib._UNSET,
+    axis_name: norms.AxisName = None,
+) -> tuple[Any, Any]:
+    """Scale every slice by ``multiplier(norm)``; returns ``(scaled tree, norms tree)``.
+
+    With ``dim='global'`` all leaves form one slice: one global norm (a scalar) and one factor.
+    Otherwise norms come back per leaf in the wide dtype with the reduced axes squeezed out.
+    Leaves that the axes rule leaves alone (no axes, or slices smaller than ``min_size``) are
+    returned unchanged with a 0-d zero norm; non-float leaves pass through with a ``None`` norm.
+    ``axis_name``: the mesh axes (inside ``shard_map``/``pmap``) a leaf's reduced axes are
+    split over; per-slice partial reductions are combined across them. ``param_ndim`` (instead
+    of ``dim``) may be per leaf like ``dim`` (:func:`optclip._core.axes.leaf_param_ndims`).
+    """
+    if dim == axes_lib.GLOBAL:
+        norm = norms.global_norm(tree, ord, axis_name)
+        factor = multiplier(norm)
+        return jax.tree.map(lambda x: norms.scale(x, factor), tree), norm
+
+    def leaf_axes(x, leaf_dim, leaf_param_ndim):
+        if not norms.is_float(x):
+            return None
+        axes = axes_lib.reduction_axes(x.ndim, leaf_dim, inverse_dims, param_ndim=leaf_param_ndim)
+        if axes is None:
+            return None
+        size = axes_lib.slice_size(x.shape, axes) * norms.axes_size(leaf_split(x, axes))
+        return None if size < min_size else axes
+
+    def leaf_split(x, axes):
+        # One-element slices (no reduced axes) are never split across devices.
+        return norms.split_axes([x], axis_name)[0] if axes else ()
+
+    def one_leaf(x, axes, whole_norm):
+        if not norms.is_float(x):
+            return x, None
+        if axes is None:
+            return x, jnp.zeros((), norms.acc_dtype(x.dtype))
+        norm = (whole_norm.reshape((1,) * x.ndim) if whole_norm is not None
+                else norms.slice_norm(x, ord, axes, leaf_split(x, axes)))
+        return norms.scale(x, multiplier(norm)), jnp.squeeze(norm, axis=axes)
+
+    leaves, treedef = jax.tree.flatten(tree)
+    ndims = ([param_ndim] * len(leaves) if param_ndim is axes_lib._UNSET
+             else axes_lib.leaf_param_ndims(param_ndim, tree))
+    plan = [leaf_axes(x, d, k) for x, d, k in zip(leaves, axes_lib.leaf_dims(dim, tree), ndims)]
+    # Whole-leaf slices (at least one reduced axis) are measured together: one overflow test
+    # for all of them (norms.leaf_norms).
+    whole = [i for i, (x, axes) in enumerate(zip(leaves, plan))
+             if axes and axes == tuple(range(x.ndim))]
+    measured = dict(zip(whole, norms.leaf_norms([leaves[i] for i in whole], ord, axis_name)))
+    results = [one_leaf(x, axes, measured.get(i)) for i, (x, axes) in enumerate(zip(leaves, plan))]
+    return tuple(treedef.unflatten([r[i] for r in results]) for i in range(2))
