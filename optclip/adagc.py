@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optclip._core import checks, norms
+from optclip._core import checks, norms, trees
 from optclip._core import stats as stats_lib
 
 __all__ = ["AdaGCState", "adagc"]
@@ -30,13 +30,6 @@ class AdaGCState(NamedTuple):
     scale: Any            # per leaf: factor applied at the last step
     clipped: Any          # per leaf: bool, scale < 1
     nonfinite: jax.Array  # int32 steps with a NaN/Inf gradient (state left unchanged)
-
-
-def _per_leaf(tree: Any, value: float, dtype=None) -> Any:
-    """A 0-d array per floating leaf (in its statistics dtype), ``None`` for the others."""
-    return jax.tree.map(
-        lambda x: jnp.full((), value, dtype or norms.acc_dtype(x.dtype))
-        if norms.is_float(x) else None, tree)
 
 
 def adagc(
@@ -109,9 +102,10 @@ def adagc(
 
     def init_fn(params):
         return AdaGCState(
-            count=jnp.zeros((), jnp.int32), gamma=_per_leaf(params, 0.0),
-            norm=_per_leaf(params, 0.0), scale=_per_leaf(params, 1.0),
-            clipped=_per_leaf(params, False, jnp.bool_), nonfinite=jnp.zeros((), jnp.int32))
+            count=jnp.zeros((), jnp.int32), gamma=trees.scalars_like(params, 0.0),
+            norm=trees.scalars_like(params, 0.0), scale=trees.scalars_like(params, 1.0),
+            clipped=trees.scalars_like(params, False, jnp.bool_),
+            nonfinite=jnp.zeros((), jnp.int32))
 
     def update_fn(updates, state, params=None):
         del params
@@ -150,7 +144,7 @@ def _norms(updates: Any, axis_name: norms.AxisName) -> tuple[Any, jax.Array]:
     the devices each leaf's elements are split over). The global norm is combined from the
     leaf norms, scaled by the largest, so it needs no second pass and cannot overflow either.
     """
-    leaves = [x for x in jax.tree.leaves(updates) if norms.is_float(x)]
+    leaves = norms.float_leaves(updates)
     if not leaves:
         return jax.tree.map(lambda x: None, updates), jnp.zeros((), norms.stat_dtype(updates))
     dtype = norms.stat_dtype(updates)

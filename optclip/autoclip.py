@@ -70,7 +70,7 @@ def _autoclip(threshold_fn, history_length, global_threshold, state_cls, axis_na
 
     def init_fn(params):
         dtype = norms.stat_dtype(params)
-        batch = () if global_threshold else (len(running.float_leaves(params)),)
+        batch = () if global_threshold else (len(norms.float_leaves(params)),)
         zeros = jnp.zeros(batch, dtype)
         return stats_lib.own_buffers(state_cls(
             jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32),

@@ -318,7 +318,7 @@ def clip_norm_growth(
         first = state.count == 0
         hp = _limits_at(state.count, add, mul, min_value, max_decay)
         if not parameterwise:
-            floats = [x for x in jax.tree.leaves(updates) if norms.is_float(x)]
+            floats = norms.float_leaves(updates)
             n, divisor, reference, ok = group_step(
                 floats, norms.global_norm(floats, ord, axis_name), state.prev_norm, first, hp)
             new = state_cls(optax.safe_increment(state.count), reference, n, divisor,

@@ -397,8 +397,8 @@ def _check_hist_args(criterion, warmup_transform, warmup_steps, feedback, parity
 
 def _per_leaf_warmup(transform, updates, inner_states: tuple, params) -> tuple[Any, tuple]:
     """``transform`` applied to every float leaf on its own (one inner state per leaf)."""
-    floats = running.float_leaves(updates)
-    param_leaves = (running.float_leaves(params) if params is not None
+    floats = norms.float_leaves(updates)
+    param_leaves = (norms.float_leaves(params) if params is not None
                     else [None] * len(inner_states))
     results = [transform.update(x, s, p) for x, s, p in zip(floats, inner_states, param_leaves)]
     outs = iter([out for out, _ in results])
@@ -431,11 +431,11 @@ def _hist_init(params, criterion, warmup_transform, steps, per_leaf):
     """The fresh state of :func:`hist_clip` (``per_leaf=False``) or :func:`param_hist_clip`."""
     state_cls = ParamHistClipState if per_leaf else HistClipState
     dtype = norms.stat_dtype(params)
-    batch = (len(running.float_leaves(params)),) if per_leaf else ()
+    batch = (len(norms.float_leaves(params)),) if per_leaf else ()
     if warmup_transform is None:
         inner = optax.EmptyState()
     elif per_leaf:
-        inner = tuple(warmup_transform.init(x) for x in running.float_leaves(params))
+        inner = tuple(warmup_transform.init(x) for x in norms.float_leaves(params))
     else:
         inner = warmup_transform.init(params)
     zeros = jnp.zeros(batch, dtype)

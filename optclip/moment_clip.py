@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optclip._core import checks, norms
+from optclip._core import checks, norms, trees
 from optclip._core import stats as stats_lib
 
 __all__ = ["AdamWClipState", "SpamClipState", "StableAdamWClipState", "adamw_clip",
@@ -434,8 +434,9 @@ def stable_adamw_clip(
     def init_fn(params):
         inner_state = inner.init(params)
         _moment_state(inner_state)
-        return StableAdamWClipState(inner_state, _per_leaf(params, 0.0), _per_leaf(params, 1.0),
-                                    _per_leaf(params, False, jnp.bool_),
+        return StableAdamWClipState(inner_state, trees.scalars_like(params, 0.0),
+                                    trees.scalars_like(params, 1.0),
+                                    trees.scalars_like(params, False, jnp.bool_),
                                     jnp.zeros((), jnp.int32))
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -453,13 +454,6 @@ def stable_adamw_clip(
             nonfinite=state.nonfinite), state)
 
     return checks.transformation(init_fn, update_fn, extra_args=True)
-
-
-def _per_leaf(tree: Any, value: Any, dtype=None) -> Any:
-    """A 0-d array per floating leaf (in its statistics dtype), ``None`` for the others."""
-    return jax.tree.map(
-        lambda x: jnp.full((), value, dtype or norms.acc_dtype(x.dtype))
-        if norms.is_float(x) else None, tree)
 
 
 def _update_rms(updates: Any, nu: Any, b2: float, correction: jax.Array, eps: float,

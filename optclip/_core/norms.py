@@ -85,7 +85,7 @@ def stat_dtype(tree: Any = None) -> jnp.dtype:
     """
     if not jax.config.jax_enable_x64:
         return jnp.dtype(jnp.float32)
-    if tree is None or any(acc_dtype(x.dtype) == jnp.float64 for x in _float_leaves(tree)):
+    if tree is None or any(acc_dtype(x.dtype) == jnp.float64 for x in float_leaves(tree)):
         return jnp.dtype(jnp.float64)
     return jnp.dtype(jnp.float32)
 
@@ -471,7 +471,8 @@ def leaf_reductions(arrays: list[jax.Array], prepare: Callable[[jax.Array], Any]
     return results
 
 
-def _float_leaves(tree: Any) -> list[jax.Array]:
+def float_leaves(tree: Any) -> list[jax.Array]:
+    """The floating leaves of ``tree``, in order (integer, ``None`` and masked leaves left out)."""
     return [x for x in jax.tree.leaves(tree) if is_float(x)]
 
 
@@ -534,7 +535,7 @@ def global_norm(tree: Any, ord: float | str = 2.0, axis_name: AxisName = None) -
     are recomputed from the leaves divided by the largest magnitude (:func:`overflow_safe`).
     The common case reads the leaves once.
     """
-    leaves = _float_leaves(tree)
+    leaves = float_leaves(tree)
     split = split_axes(leaves, axis_name)
     if ord == 2.0 and _one_wide_dtype(leaves):
         plain, scaled, lazy = _square_partials(leaves)

@@ -40,10 +40,6 @@ def check_parity(parity: Any) -> None:
     checks.one_of("parity", parity, PARITY)
 
 
-def float_leaves(tree: Any) -> list[jax.Array]:
-    return [x for x in jax.tree.leaves(tree) if norms.is_float(x)]
-
-
 def _rows(vectors: tuple[jax.Array, ...], count: int) -> list[tuple[jax.Array, ...]]:
     """Entry ``j`` of every vector, for ``j < count``: one small kernel per leaf.
 
@@ -82,7 +78,7 @@ def scale_leaves(tree: Any, factors: jax.Array) -> Any:
 
 def leaf_norms(updates: Any, dtype, axis_name: norms.AxisName = None) -> jax.Array:
     """L2 norm of every float leaf of ``updates``, as one vector in ``dtype``."""
-    return norms.leaf_norm_vector(float_leaves(updates), axis_name).astype(dtype)
+    return norms.leaf_norm_vector(norms.float_leaves(updates), axis_name).astype(dtype)
 
 
 def apply_scale(updates: Any, factor: jax.Array, per_leaf: bool, old: dict[str, Any],

@@ -7,6 +7,9 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+
+from optclip._core import norms
 
 
 def tree_unzip(fn: Callable[[Any], tuple], tree: Any, n: int) -> tuple[Any, ...]:
@@ -32,3 +35,11 @@ def unflatten_at(treedef: Any, values: dict[int, Any]) -> Any:
     """The tree of ``treedef`` (from :func:`flatten_with`) with ``values[i]`` at leaf ``i`` and
     ``None`` at the leaves ``values`` leaves out (per-leaf state of the float leaves only)."""
     return treedef.unflatten([values.get(i) for i in range(treedef.num_leaves)])
+
+
+def scalars_like(tree: Any, value: Any, dtype=None) -> Any:
+    """A 0-d array of ``value`` per floating leaf of ``tree`` (in ``dtype``, or the leaf's
+    statistics dtype), ``None`` for the other leaves: per-leaf scalar state."""
+    return jax.tree.map(
+        lambda x: jnp.full((), value, dtype or norms.acc_dtype(x.dtype))
+        if norms.is_float(x) else None, tree)
