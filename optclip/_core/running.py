@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from optclip._core import checks, norms, trees
+from optclip._core import stats as stats_lib
 
 Parity = Literal["fixed", "reference"]
 
@@ -101,8 +102,7 @@ def apply_scale(updates: Any, factor: jax.Array, per_leaf: bool, old: dict[str, 
     else:
         factors, values = factor, diagnostics
         scaled = jax.tree.map(lambda x: norms.scale(x, factor), updates)
-    committed = {k: jax.tree.map(lambda n, o: jnp.where(jnp.isfinite(n), n, o), v, old[k])
-                 for k, v in values.items()}
+    committed = {k: stats_lib.keep_finite(v, old[k]) for k, v in values.items()}
     committed["clipped"] = jax.tree.map(lambda f: f < 1, factors)
     return scaled, committed
 
