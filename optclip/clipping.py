@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from optclip._core import axes as axes_lib
-from optclip._core import checks, norms, slices, trees
+from optclip._core import checks, norms, slices
 from optclip._core import stats as stats_lib
 from optclip._core.axes import Dim
 from optclip._core.checks import ScalarOrSchedule
@@ -131,16 +131,17 @@ def _clamp(g: jax.Array, value) -> jax.Array:
     return jnp.clip(g, -bound, bound)
 
 
-def _read_first(bound, peak: jax.Array, finite: jax.Array) -> jax.Array:
+def _read_first(bound, peak: jax.Array) -> jax.Array:
     """The clamp bound of a leaf whose largest ``|g|`` is ``peak``: ``bound``, or ``peak`` where
-    that is smaller and the leaf finite, which clamps the same (no ``|g|`` exceeds ``peak``).
+    that is smaller (then the leaf is finite), which clamps the same (no ``|g|`` exceeds
+    ``peak``).
 
     Why: the clamp then reads the leaf's statistics, so XLA computes them before it writes the
     output; otherwise, with the gradients donated, it copies every gradient first to keep them
     for the reductions.
     """
     bound = jnp.asarray(bound).astype(peak.dtype)
-    return jnp.where(finite & (peak < bound), peak, bound)
+    return jnp.where(peak < bound, peak, bound)
 
 
 def _clip_grad_norm(grads, max_norm, ord, dim, inverse_dims, min_size, min_norm, axis_name=None):
@@ -280,9 +281,6 @@ def clip_value(value: ScalarOrSchedule, axis_name: AxisName = None
     checks.positive("value", value, allow_schedule=True)
     norms.check_axis_name(axis_name)
 
-    def max_abs(g):
-        return norms.leaf_norm(g, float("inf"), axis_name)
-
     def init_fn(params):
         zeros = stats_lib.zeros_like_params(
             lambda p: jax.tree.map(lambda g: jnp.zeros((), norms.acc_dtype(g.dtype))
@@ -294,16 +292,17 @@ def clip_value(value: ScalarOrSchedule, axis_name: AxisName = None
     def update_fn(updates, state, params=None):
         del params
         bound = checks.resolve(value, state.count)
-
-        def one_leaf(g):
-            if not norms.is_float(g):
-                return g, None, None, None
-            peak, finite = max_abs(g), stats_lib.leaf_finite(g)
-            return _clamp(g, _read_first(bound, peak, finite)), peak, peak > bound, finite
-
-        new_updates, peak, clipped, finite = trees.tree_unzip(one_leaf, updates, 4)
-        return new_updates, _advance(state, stats_lib.all_of(jax.tree.leaves(finite), axis_name),
-                                     max_abs=peak, clipped=clipped)
+        # One reduction per leaf gives both its largest |g| and whether it is finite.
+        leaves, treedef = jax.tree.flatten(updates)
+        peaks = norms.leaf_peaks([g for g in leaves if norms.is_float(g)], axis_name)
+        found = iter(peaks)
+        peak_leaves = [next(found) if norms.is_float(g) else None for g in leaves]
+        new_updates = treedef.unflatten([g if p is None else _clamp(g, _read_first(bound, p))
+                                         for g, p in zip(leaves, peak_leaves)])
+        peak = treedef.unflatten(peak_leaves)
+        clipped = jax.tree.map(lambda p: p > bound, peak)
+        finite = stats_lib.all_of([jnp.isfinite(p) for p in peaks], axis_name)
+        return new_updates, _advance(state, finite, max_abs=peak, clipped=clipped)
 
     return checks.transformation(init_fn, update_fn)
 

@@ -377,30 +377,53 @@ def leaf_norm(x: jax.Array, ord: float | str, axis_name: AxisName = None) -> jax
 
 def leaf_norms(leaves: list[jax.Array] | Callable[[], list[jax.Array]], ord: float | str,
                axis_name: AxisName = None) -> list[jax.Array]:
-    """:func:`leaf_norm` of each leaf (0-d, wide dtype), with one overflow test for all.
+    """:func:`leaf_norm` of each leaf (0-d, wide dtype); order 2 by :func:`leaf_l2_norms`.
 
-    For order 2 each leaf is reduced once, ``Σx²`` (small leaves of one shape share a
-    variadic reduce, :func:`leaf_reductions`), combined across the mesh axes ``axis_name``
-    names; only when some sum overflowed (one scalar test for the whole list, ``lax.cond``)
-    are the leaves measured again, scale-safe, by :func:`leaf_norm`. Per leaf,
-    :func:`root_sum_squares` needs a second, scaled sum, which XLA:CPU runs as a second read of
-    large leaves. ``leaves`` may be a function building the list: leaves computed from others
-    (an EMA moved toward the update) are then rebuilt inside the rare branch rather than
-    written out for it. A list of scalars, not a vector: per-leaf consumers that index a vector
-    compile one distinct kernel per leaf (see :func:`leaf_norm_vector` for a vector).
+    ``leaves`` may be a function building the list: leaves computed from others (an EMA moved
+    toward the update) are then rebuilt inside the rare overflow branch rather than written out
+    for it. A list of scalars, not a vector: per-leaf consumers that index a vector compile one
+    distinct kernel per leaf.
+    """
+    if ord == 2.0:
+        return leaf_l2_norms(leaves, axis_name)
+    build = leaves if callable(leaves) else (lambda: leaves)
+    return [leaf_norm(x, ord, axis_name) for x in build()]
+
+
+def leaf_l2_norms(leaves: list[jax.Array] | Callable[[], list[jax.Array]],
+                  axis_name: AxisName = None, vector: bool = False) -> Any:
+    """L2 norm of every array in ``leaves`` (``leaf_norm(x, 2)`` for each), each leaf read once.
+
+    The one per-leaf L2 routine: a list of 0-d norms in the wide dtype, or with ``vector=True``
+    one vector (the roots then taken once, on the vector). Each leaf is reduced once: small
+    leaves give the plain and the scaled sums of squares (:data:`_SHIFT`) from one variadic
+    reduce shared with same-shape leaves (:func:`leaf_reductions`); larger leaves give the plain
+    sum, and their scaled sums are computed only when some plain sum overflowed (one scalar
+    ``lax.cond`` for all leaves). The sums are combined across the mesh axes ``axis_name``
+    names. ``leaves`` may be a function building the list (called again inside that branch).
     """
     build = leaves if callable(leaves) else (lambda: leaves)
-    if ord != 2.0:
-        return [leaf_norm(x, ord, axis_name) for x in build()]
     arrays = build()
     if not arrays:
-        return []
+        return jnp.zeros((0,), jnp.float32) if vector else []
+    if not _one_wide_dtype(arrays):
+        each = [leaf_norm(x, 2.0, axis_name) for x in arrays]
+        return gather_scalars([n.astype(stat_dtype()) for n in each]) if vector else each
     split = split_axes(arrays, axis_name)
-    sums = leaf_reductions(arrays, lambda x: jnp.square(_wide(x)))
-    plain = [safe_sqrt(across(s, "sum", axes)) for s, axes in zip(sums, split)]
-    overflow = jnp.any(jnp.isinf(gather_scalars(plain)))
-    return list(jax.lax.cond(overflow, lambda: [leaf_norm(x, 2.0, axis_name) for x in build()],
-                             lambda: plain))
+    plain, scaled, lazy = _square_partials(arrays, build)
+    shift = _SHIFT[acc_dtype(arrays[0].dtype)]
+
+    def combined(values):
+        return [across(v, "sum", axes) for v, axes in zip(values, split)]
+
+    plain = combined(plain)
+    if vector:
+        plain = gather_scalars(plain)
+        return _root_of_squares(plain, _when_overflowed(
+            jnp.isinf(plain), lambda: gather_scalars(combined(scaled())), plain, lazy), shift)
+    overflow = jnp.isinf(gather_scalars(plain)) if lazy else None
+    scaled = _when_overflowed(overflow, lambda: combined(scaled()), plain, lazy)
+    return [_root_of_squares(p, q, shift) for p, q in zip(plain, scaled)]
 
 
 # Same-shape leaves reduced by one variadic reduce, at most this many at a time (compile time
@@ -422,6 +445,14 @@ def _may_group() -> bool:
     of one shape can carry different shardings.
     """
     return jax.device_count() == 1
+
+
+def _identity(init: float, dtype) -> jax.Array:
+    """The reduction's initial value in ``dtype``; ``±inf`` is the integer type's extreme."""
+    if jnp.issubdtype(dtype, jnp.integer) and math.isinf(init):
+        info = jnp.iinfo(dtype)
+        return jnp.asarray(info.min if init < 0 else info.max, dtype)
+    return jnp.asarray(init, dtype)
 
 
 def leaf_reductions(arrays: list[jax.Array], prepare: Callable[[jax.Array], Any],
@@ -448,10 +479,10 @@ def leaf_reductions(arrays: list[jax.Array], prepare: Callable[[jax.Array], Any]
         first = operands[0]
         if len(operands) == 1 or (len(group) == 1 and (first.size > _PAIR_MAX_ELEMENTS
                                                         or not _may_group())):
-            outs = [jax.lax.reduce(v, jnp.asarray(init, v.dtype), op, tuple(range(v.ndim)))
+            outs = [jax.lax.reduce(v, _identity(init, v.dtype), op, tuple(range(v.ndim)))
                     for v in operands]
         else:
-            outs = jax.lax.reduce(operands, tuple(jnp.asarray(init, v.dtype) for v in operands),
+            outs = jax.lax.reduce(operands, tuple(_identity(init, v.dtype) for v in operands),
                                   combine, tuple(range(first.ndim)))
         k = len(parts[group[0]])
         for n, i in enumerate(group):
@@ -469,6 +500,35 @@ def leaf_reductions(arrays: list[jax.Array], prepare: Callable[[jax.Array], Any]
         for start in range(0, len(members), _GROUP_SIZE):
             reduce(members[start:start + _GROUP_SIZE])
     return results
+
+
+def magnitude_bits(x: jax.Array) -> jax.Array:
+    """The bits of ``|x|`` as a signed integer (``x`` float16, bfloat16, float32 or float64).
+
+    Non-negative floats order like their bit patterns, and a NaN's magnitude bits lie above
+    ``inf``'s: the integer maximum of these bits is ``max |x|`` and is NaN's (or ``inf``'s) as
+    soon as one element is, exactly, whatever the order of the reduction (a float maximum may
+    skip NaN on XLA:CPU).
+    """
+    itype = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[jnp.dtype(x.dtype).itemsize]
+    bits = jax.lax.bitcast_convert_type(x, itype)
+    return jax.lax.bitwise_and(bits, jnp.asarray(jnp.iinfo(itype).max, itype))
+
+
+def leaf_peaks(leaves: list[jax.Array], axis_name: AxisName = None) -> list[jax.Array]:
+    """``max |x|`` of every floating array in ``leaves`` (0-d, wide dtype; 0 for empty arrays),
+    also telling whether the array is finite: the peak is NaN when some element is NaN, else
+    ``inf`` when some element is infinite, and finite exactly when every element is.
+
+    One reduction per array and one read of it: the integer maximum of :func:`magnitude_bits`
+    (small arrays of one shape share one variadic reduce, :func:`leaf_reductions`), combined
+    across the mesh axes ``axis_name`` names (an integer ``pmax``, exact), so no separate
+    finiteness test is needed.
+    """
+    split = split_axes(leaves, axis_name)
+    bits = leaf_reductions(leaves, magnitude_bits, "max")
+    return [_wide(jax.lax.bitcast_convert_type(jnp.maximum(across(b, "max", axes), 0), x.dtype))
+            for b, x, axes in zip(bits, leaves, split)]
 
 
 def float_leaves(tree: Any) -> list[jax.Array]:
@@ -560,7 +620,8 @@ def _one_wide_dtype(leaves: list[jax.Array]) -> bool:
     return bool(leaves) and len({acc_dtype(x.dtype) for x in leaves}) == 1
 
 
-def _square_partials(leaves: list[jax.Array]) -> tuple[list[jax.Array], Callable[[], list], bool]:
+def _square_partials(leaves: list[jax.Array], build: Callable[[], list] | None = None
+                     ) -> tuple[list[jax.Array], Callable[[], list], bool]:
     """Per leaf, the plain sum of squares, and a function giving the scaled sums (see
     :data:`_SHIFT`): each leaf is read once.
 
@@ -568,6 +629,8 @@ def _square_partials(leaves: list[jax.Array]) -> tuple[list[jax.Array], Callable
     sums come for free; a large leaf's scaled sum is a second read of it, so the function
     computes it only when called (under :func:`_when_overflowed`, on the rare step whose plain
     sum overflowed). The third entry says whether the function reads any leaf (``lazy``).
+    ``build`` (optional) rebuilds ``leaves`` inside that call, so that leaves computed from
+    others are recomputed there rather than kept for it.
     """
     paired = [x.size <= _PAIR_MAX_ELEMENTS and _may_group() for x in leaves]
     pairs = leaf_reductions([x for x, p in zip(leaves, paired) if p],
@@ -580,8 +643,9 @@ def _square_partials(leaves: list[jax.Array]) -> tuple[list[jax.Array], Callable
         return [next(it_p) if p else next(it_s) for p in paired]
 
     def scaled():
+        again = singles if build is None else [x for x, p in zip(build(), paired) if not p]
         return merge([q for _, q in pairs],
-                     leaf_reductions(singles, lambda x: _squares(_wide(x))[1]))
+                     leaf_reductions(again, lambda x: _squares(_wide(x))[1]))
 
     return merge([p for p, _ in pairs], plain_singles), scaled, bool(singles)
 
@@ -592,32 +656,13 @@ def _when_overflowed(overflow: jax.Array, scaled_total: Callable[[], jax.Array],
     step whose plain sum ``overflow``-ed (one scalar ``lax.cond``; zeros otherwise, unused)."""
     if not lazy:
         return scaled_total()
-    return jax.lax.cond(jnp.any(overflow), scaled_total, lambda: jnp.zeros_like(like))
+    return jax.lax.cond(jnp.any(overflow), scaled_total,
+                        lambda: jax.tree.map(jnp.zeros_like, like))
 
 
 def leaf_norm_vector(leaves: list[jax.Array], axis_name: AxisName = None) -> jax.Array:
-    """L2 norm of every array in ``leaves`` as one vector (``leaf_norm(x, 2)`` for each).
-
-    The per-leaf sums of squares are gathered into two vectors (:func:`gather_scalars`) and
-    the roots taken once on them: the per-leaf work is one reduction, so tracing and compile
-    time stay small on trees of many leaves. In the leaves' accumulation dtype (float32, or
-    float64 when every leaf is float64).
-    """
-    if not leaves:
-        return jnp.zeros((0,), jnp.float32)
-    if not _one_wide_dtype(leaves):
-        return gather_scalars([leaf_norm(x, 2.0, axis_name).astype(stat_dtype())
-                               for x in leaves])
-    split = split_axes(leaves, axis_name)
-    plain, scaled, lazy = _square_partials(leaves)
-
-    def combined(values):
-        return gather_scalars([across(v, "sum", axes) for v, axes in zip(values, split)])
-
-    plain = combined(plain)
-    return _root_of_squares(plain, _when_overflowed(jnp.isinf(plain),
-                                                    lambda: combined(scaled()), plain, lazy),
-                            _SHIFT[acc_dtype(leaves[0].dtype)])
+    """L2 norm of every array in ``leaves`` as one vector (:func:`leaf_l2_norms`)."""
+    return leaf_l2_norms(leaves, axis_name, vector=True)
 
 
 def _plain_global_norm(leaves: list[jax.Array], ord: float | str,
