@@ -294,14 +294,14 @@ def clip_value(value: ScalarOrSchedule, axis_name: AxisName = None
         bound = checks.resolve(value, state.count)
         # One reduction per leaf gives both its largest |g| and whether it is finite.
         leaves, treedef = jax.tree.flatten(updates)
-        peaks = norms.leaf_peaks([g for g in leaves if norms.is_float(g)], axis_name)
+        peaks, finite = norms.leaf_peaks_finite([g for g in leaves if norms.is_float(g)],
+                                                axis_name)
         found = iter(peaks)
         peak_leaves = [next(found) if norms.is_float(g) else None for g in leaves]
         new_updates = treedef.unflatten([g if p is None else _clamp(g, _read_first(bound, p))
                                          for g, p in zip(leaves, peak_leaves)])
         peak = treedef.unflatten(peak_leaves)
         clipped = jax.tree.map(lambda p: p > bound, peak)
-        finite = stats_lib.all_of([jnp.isfinite(p) for p in peaks], axis_name)
         return new_updates, _advance(state, finite, max_abs=peak, clipped=clipped)
 
     return checks.transformation(init_fn, update_fn)
@@ -430,8 +430,7 @@ def clip_norm(
         new_updates, measured = measure(updates, bound)
         clipped = jax.tree.map(lambda n: n > bound.astype(n.dtype), measured)
         return new_updates, _advance(
-            state, _finite(ord, updates, measured, axis_name),
-            norm=stats_lib.keep_finite(measured, state.norm), clipped=clipped)
+            state, _finite(ord, updates, measured, axis_name), norm=measured, clipped=clipped)
 
     return checks.transformation(init_fn, update_fn)
 
@@ -490,8 +489,7 @@ def normalize(
         target = checks.resolve(norm_value, state.count, norms.stat_dtype())
         new_updates, measured = measure(updates, target)
         return new_updates, _advance(
-            state, _finite(ord, updates, measured, axis_name),
-            norm=stats_lib.keep_finite(measured, state.norm))
+            state, _finite(ord, updates, measured, axis_name), norm=measured)
 
     return checks.transformation(init_fn, update_fn)
 

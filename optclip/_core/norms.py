@@ -525,10 +525,27 @@ def leaf_peaks(leaves: list[jax.Array], axis_name: AxisName = None) -> list[jax.
     across the mesh axes ``axis_name`` names (an integer ``pmax``, exact), so no separate
     finiteness test is needed.
     """
+    return leaf_peaks_finite(leaves, axis_name)[0]
+
+
+def leaf_peaks_finite(leaves: list[jax.Array], axis_name: AxisName = None
+                      ) -> tuple[list[jax.Array], jax.Array]:
+    """:func:`leaf_peaks`, and a scalar bool: every array is finite (on every device along
+    ``axis_name``). The flag is read off the peaks' bits gathered into one vector, so it costs
+    no per-leaf work."""
     split = split_axes(leaves, axis_name)
-    bits = leaf_reductions(leaves, magnitude_bits, "max")
-    return [_wide(jax.lax.bitcast_convert_type(jnp.maximum(across(b, "max", axes), 0), x.dtype))
-            for b, x, axes in zip(bits, leaves, split)]
+    bits = [across(b, "max", axes) for b, axes in
+            zip(leaf_reductions(leaves, magnitude_bits, "max"), split)]
+    peaks = [_wide(jax.lax.bitcast_convert_type(jnp.maximum(b, 0), x.dtype))
+             for b, x in zip(bits, leaves)]
+    by_dtype: dict[Any, list[jax.Array]] = collections.defaultdict(list)
+    for b, x in zip(bits, leaves):
+        by_dtype[jnp.dtype(x.dtype)].append(b)
+    finite = jnp.asarray(True)
+    for dtype, group in by_dtype.items():
+        inf_bits = magnitude_bits(jnp.asarray(jnp.inf, dtype))
+        finite = finite & jnp.all(gather_scalars(group) < inf_bits)
+    return peaks, finite
 
 
 def float_leaves(tree: Any) -> list[jax.Array]:
@@ -558,7 +575,7 @@ def computed_once(values: jax.Array) -> jax.Array:
     """
     if values.ndim == 0 or values.shape[0] == 0:
         return values
-    return jnp.zeros_like(values).at[jnp.arange(values.shape[0])].set(
+    return jnp.zeros_like(values).at[np.arange(values.shape[0])].set(
         values, indices_are_sorted=True, unique_indices=True)
 
 

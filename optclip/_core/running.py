@@ -11,7 +11,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from optclip._core import checks, norms, trees
+from optclip._core import checks, norms
 from optclip._core import stats as stats_lib
 
 Parity = Literal["fixed", "reference"]
@@ -93,16 +93,20 @@ def apply_scale(updates: Any, factor: jax.Array, per_leaf: bool, old: dict[str, 
     leaf (:func:`_rows`), so the per-leaf computations stay identical across leaves.
     """
     names = list(diagnostics)
-    if per_leaf:
-        rows = per_leaf_trees(updates, factor, *diagnostics.values())
-        factors, values = rows[0], dict(zip(names, rows[1:]))
-        leaves, (factor_leaves,), treedef = trees.flatten_with(updates, factors)
-        scaled = treedef.unflatten([norms.scale(x, f) if f is not None else x
-                                    for x, f in zip(leaves, factor_leaves)])
+    if per_leaf and factor.shape[0]:
+        # Committed on the vectors (one select for all leaves), then read per leaf.
+        kept = [stats_lib.keep_finite(v, norms.gather_scalars(jax.tree.leaves(old[k])))
+                for k, v in diagnostics.items()]
+        rows = per_leaf_trees(updates, factor, *kept)
+        factors, committed = rows[0], dict(zip(names, rows[1:]))
+        scaled = jax.tree.map(norms.scale, updates, factors)
+    elif per_leaf:  # no floating leaves
+        factors, committed = per_leaf_trees(updates, factor)[0], {k: old[k] for k in names}
+        scaled = updates
     else:
-        factors, values = factor, diagnostics
+        factors = factor
+        committed = {k: stats_lib.keep_finite(v, old[k]) for k, v in diagnostics.items()}
         scaled = jax.tree.map(lambda x: norms.scale(x, factor), updates)
-    committed = {k: stats_lib.keep_finite(v, old[k]) for k, v in values.items()}
     committed["clipped"] = jax.tree.map(lambda f: f < 1, factors)
     return scaled, committed
 

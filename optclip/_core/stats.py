@@ -120,11 +120,20 @@ def leaf_finite(x: jax.Array) -> jax.Array:
 def all_finite(tree: Any, axis_name: norms.AxisName = None) -> jax.Array:
     """Scalar bool: every element of every floating leaf of ``tree`` is finite.
 
-    With ``axis_name`` (inside ``shard_map``/``pmap``) on every device along those mesh axes,
-    so a step is committed or skipped everywhere alike.
+    One-element leaves (per-leaf statistics) are tested together on one vector; larger leaves
+    each give ``sum(x * 0)`` (:func:`leaf_finite`), small leaves of one shape from one shared
+    variadic reduce (:func:`optclip._core.norms.leaf_reductions`). With ``axis_name`` (inside
+    ``shard_map``/``pmap``) on every device along those mesh axes, so a step is committed or
+    skipped everywhere alike.
     """
-    return all_of([leaf_finite(jnp.asarray(x)) for x in jax.tree.leaves(tree)
-                   if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)], axis_name)
+    leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
+    leaves = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
+    arrays = [x for x in leaves if x.size != 1]
+    values = [x.reshape(()) for x in leaves if x.size == 1] + norms.leaf_reductions(
+        arrays, lambda x: x * jnp.zeros((), x.dtype))
+    local = (jnp.all(jnp.isfinite(norms.gather_scalars(values))) if values
+             else jnp.asarray(True))
+    return norms.all_true(local, axis_name)
 
 
 def all_of(flags: list[jax.Array], axis_name: norms.AxisName = None) -> jax.Array:
