@@ -222,7 +222,9 @@ def _add_pairs(a: tuple, b: tuple) -> tuple:
 
 def _squares(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``x²`` and ``(x 2**-k)²``, the two quantities a scale-safe sum of squares accumulates."""
-    down = x * jnp.asarray(2.0 ** -_SHIFT[x.dtype], x.dtype)
+    # Through a max: XLA's simplifier rewrites (x c) (x c) into (x x) (c c), where c² underflows
+    # to 0 (NaN for a one-element array whose square overflowed).
+    down = jnp.maximum(jnp.abs(x) * jnp.asarray(2.0 ** -_SHIFT[x.dtype], x.dtype), 0)
     return jax.lax.mul(x, x), jax.lax.mul(down, down)
 
 
