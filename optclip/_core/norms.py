@@ -581,6 +581,19 @@ def computed_once(values: jax.Array) -> jax.Array:
         values, indices_are_sorted=True, unique_indices=True)
 
 
+def shared_scalar(value: jax.Array) -> jax.Array:
+    """The 0-d ``value`` computed once and read by every per-leaf computation.
+
+    XLA copies a chain of cheap scalar operations (a clipping factor from a norm and running
+    statistics) into every fusion that consumes it: on a tree of many leaves each leaf's kernel
+    then carries the whole chain. Read from a one-entry vector written by one scatter
+    (:func:`computed_once`), the chain runs once and each leaf's kernel reads one number.
+    """
+    # Two entries: XLA rewrites a one-entry scatter into a copy of its update.
+    value = jnp.asarray(value)
+    return computed_once(jnp.stack([value, jnp.zeros_like(value)]))[0]
+
+
 def _combine(partials: list[jax.Array], how: Callable, empty: float,
              split: list[tuple[str, ...]] | None = None, kind: str = "sum") -> jax.Array:
     if not partials:

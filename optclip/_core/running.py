@@ -73,7 +73,8 @@ def per_leaf_tree(tree: Any, vector: jax.Array) -> Any:
 def scale_leaves(tree: Any, factors: jax.Array) -> Any:
     """Multiply the ``j``-th float leaf by ``factors[j]`` (or all by one scalar factor)."""
     if factors.ndim == 0:
-        return jax.tree.map(lambda x: norms.scale(x, factors), tree)
+        factor = norms.shared_scalar(factors)
+        return jax.tree.map(lambda x: norms.scale(x, factor), tree)
     return jax.tree.map(norms.scale, tree, per_leaf_tree(tree, factors))
 
 
@@ -106,7 +107,7 @@ def apply_scale(updates: Any, factor: jax.Array, per_leaf: bool, old: dict[str, 
     else:
         factors = factor
         committed = {k: stats_lib.keep_finite(v, old[k]) for k, v in diagnostics.items()}
-        scaled = jax.tree.map(lambda x: norms.scale(x, factor), updates)
+        scaled = scale_leaves(updates, factor)
     committed["clipped"] = jax.tree.map(lambda f: f < 1, factors)
     return scaled, committed
 
