@@ -586,30 +586,36 @@ def zscore_normalize(eps: float = 1e-8, axis_name: AxisName = None
     checks.positive("eps", eps)
     norms.check_axis_name(axis_name)
 
+    def measured(g):
+        return norms.is_float(g) and g.size > 0
+
     def update_fn(updates, state, params=None):
         del params
-        leaves, treedef = jax.tree.flatten(updates)
-        idx = [i for i, g in enumerate(leaves) if norms.is_float(g) and g.size > 0]
-        wide = {i: leaves[i].astype(norms.acc_dtype(leaves[i].dtype)) for i in idx}
-        size = {i: g.size * norms.axes_size(norms.split_axes([g], axis_name)[0])
-                for i, g in wide.items()}
-        mean = {i: norms.across(jnp.sum(g), "sum", norms.split_axes([g], axis_name)[0]) / size[i]
-                for i, g in wide.items()}
+        wide = [g.astype(norms.acc_dtype(g.dtype)) for g in jax.tree.leaves(updates)
+                if measured(g)]
+        split = norms.split_axes(wide, axis_name)
+        sizes = [g.size * norms.axes_size(axes) for g, axes in zip(wide, split)]
+        # Sums of small leaves of one shape share one reduce (norms.leaf_reductions).
+        means = [norms.across(total, "sum", axes) / size for total, axes, size in
+                 zip(norms.leaf_reductions(wide, lambda g: g), split, sizes)]
         # std = ||g - mean|| / sqrt(n - 1), the 2-norms of all leaves reduced once each (finite
         # derivative at a constant leaf, no overflow for huge elements). drytorch divides by an
         # unbiased std of NaN for one element: use 0.
-        spread = dict(zip(idx, norms.leaf_norms(lambda: _centred(wide, mean), 2.0, axis_name)))
-        outputs = list(leaves)
-        for i in idx:
-            std = (spread[i] / math.sqrt(size[i] - 1) if size[i] > 1
-                   else jnp.zeros((), wide[i].dtype))
-            outputs[i] = ((wide[i] - mean[i]) / (std + eps)).astype(leaves[i].dtype)
-        return treedef.unflatten(outputs), state
+        spreads = norms.leaf_norms(lambda: _centred(wide, means), 2.0, axis_name)
+        outputs = iter([(g - mean) / (_std(spread, size) + eps)
+                        for g, mean, spread, size in zip(wide, means, spreads, sizes)])
+        return jax.tree.map(lambda g: next(outputs).astype(g.dtype) if measured(g) else g,
+                            updates), state
 
     return checks.transformation(lambda params: optax.EmptyState(), update_fn)
 
 
-def _centred(wide: dict, mean: dict) -> list[jax.Array]:
+def _std(spread: jax.Array, size: int) -> jax.Array:
+    """The unbiased std from ``||g - mean||`` over ``size`` elements (0 for one element)."""
+    return spread / math.sqrt(size - 1) if size > 1 else jnp.zeros_like(spread)
+
+
+def _centred(wide: list[jax.Array], means: list[jax.Array]) -> list[jax.Array]:
     """``g - mean`` per leaf, for a reduction only.
 
     Behind an optimization barrier: XLA would otherwise share ``g - mean`` between the
@@ -618,5 +624,5 @@ def _centred(wide: dict, mean: dict) -> list[jax.Array]:
     """
     # One barrier per leaf: inside shard_map a joint one would mark every leaf as varying over
     # the mesh axes of any one of them (a replicated bias would be summed across devices).
-    pairs = [jax.lax.optimization_barrier((g, mean[i])) for i, g in wide.items()]
+    pairs = [jax.lax.optimization_barrier((g, mean)) for g, mean in zip(wide, means)]
     return [g - m for g, m in pairs]
