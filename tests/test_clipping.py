@@ -464,3 +464,25 @@ def test_a_nan_in_a_large_leaf_is_counted_as_nonfinite(make):
     _, state = update(grads, tx.init(grads))
     logged = optclip.stats(state)
     assert [int(v) for k, v in logged.items() if k.endswith("/nonfinite")] == [1]
+
+
+@pytest.mark.parametrize("group", [True, False])
+def test_clip_value_logs_exact_peaks_and_counts_an_inf_among_grouped_leaves(group, monkeypatch):
+    """Same-shape leaves share one reduction on a single device: the logged max_abs is exact per
+    leaf, and an Inf (or NaN) in any one of them makes the step non-finite."""
+    from optclip._core import norms
+    monkeypatch.setattr(norms, "_may_group", lambda: group)
+    rng = np.random.default_rng(7)
+    grads = {f"w{i}": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32) for i in range(12)}
+    tx = optclip.clip_value(0.5)
+    update = jax.jit(lambda g, s: tx.update(g, s))        # traced afresh per case
+    out, state = update(grads, tx.init(grads))
+    for k, g in grads.items():
+        assert float(state.max_abs[k]) == float(np.abs(np.asarray(g)).max())
+        assert bool(state.clipped[k]) == bool(np.abs(np.asarray(g)).max() > 0.5)
+        np.testing.assert_array_equal(out[k], np.clip(np.asarray(g), -0.5, 0.5))
+    for bad in (jnp.inf, -jnp.inf, jnp.nan):
+        broken = dict(grads, w5=grads["w5"].at[2, 1].set(bad))
+        _, after = update(broken, state)
+        assert int(after.nonfinite) == int(state.nonfinite) + 1
+        assert float(after.max_abs["w5"]) == float(state.max_abs["w5"])
