@@ -692,11 +692,6 @@ def _when_overflowed(overflow: jax.Array, scaled_total: Callable[[], jax.Array],
                         lambda: jax.tree.map(jnp.zeros_like, like))
 
 
-def leaf_norm_vector(leaves: list[jax.Array], axis_name: AxisName = None) -> jax.Array:
-    """L2 norm of every array in ``leaves`` as one vector (:func:`leaf_l2_norms`)."""
-    return leaf_l2_norms(leaves, axis_name, vector=True)
-
-
 def _plain_global_norm(leaves: list[jax.Array], ord: float | str,
                        split: list[tuple[str, ...]], peak=None) -> jax.Array:
     count = sum(x.size * axes_size(axes) for x, axes in zip(leaves, split))

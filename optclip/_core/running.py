@@ -80,7 +80,7 @@ def scale_leaves(tree: Any, factors: jax.Array) -> Any:
 
 def leaf_norms(updates: Any, dtype, axis_name: norms.AxisName = None) -> jax.Array:
     """L2 norm of every float leaf of ``updates``, as one vector in ``dtype``."""
-    return norms.leaf_norm_vector(norms.float_leaves(updates), axis_name).astype(dtype)
+    return norms.leaf_l2_norms(norms.float_leaves(updates), axis_name, vector=True).astype(dtype)
 
 
 def apply_scale(updates: Any, factor: jax.Array, per_leaf: bool, old: dict[str, Any],
