@@ -292,10 +292,12 @@ def clip_value(value: ScalarOrSchedule, axis_name: AxisName = None
     def update_fn(updates, state, params=None):
         del params
         bound = checks.resolve(value, state.count)
-        # One reduction per leaf gives both its largest |g| and whether it is finite.
+        # Step time: on large leaves XLA:CPU's integer maximum (norms.leaf_peaks_finite) ran
+        # about 2x slower than a float maximum plus a finiteness sum: keep those two reductions.
         leaves, treedef = jax.tree.flatten(updates)
-        peaks, finite = norms.leaf_peaks_finite([g for g in leaves if norms.is_float(g)],
-                                                axis_name)
+        floats = [g for g in leaves if norms.is_float(g)]
+        peaks = [norms.leaf_norm(g, float("inf"), axis_name) for g in floats]
+        finite = stats_lib.all_of([stats_lib.leaf_finite(g) for g in floats], axis_name)
         found = iter(peaks)
         peak_leaves = [next(found) if norms.is_float(g) else None for g in leaves]
         new_updates = treedef.unflatten([g if p is None else _clamp(g, _read_first(bound, p))
