@@ -131,17 +131,16 @@ def _clamp(g: jax.Array, value) -> jax.Array:
     return jnp.clip(g, -bound, bound)
 
 
-def _read_first(bound, peak: jax.Array) -> jax.Array:
+def _read_first(bound, peak: jax.Array, finite: jax.Array) -> jax.Array:
     """The clamp bound of a leaf whose largest ``|g|`` is ``peak``: ``bound``, or ``peak`` where
-    that is smaller (then the leaf is finite), which clamps the same (no ``|g|`` exceeds
-    ``peak``).
+    that is smaller and the leaf finite, which clamps the same (no ``|g|`` exceeds ``peak``).
 
     Why: the clamp then reads the leaf's statistics, so XLA computes them before it writes the
     output; otherwise, with the gradients donated, it copies every gradient first to keep them
     for the reductions.
     """
     bound = jnp.asarray(bound).astype(peak.dtype)
-    return jnp.where(peak < bound, peak, bound)
+    return jnp.where(finite & (peak < bound), peak, bound)
 
 
 def _clip_grad_norm(grads, max_norm, ord, dim, inverse_dims, min_size, min_norm, axis_name=None):
@@ -297,11 +296,13 @@ def clip_value(value: ScalarOrSchedule, axis_name: AxisName = None
         leaves, treedef = jax.tree.flatten(updates)
         floats = [g for g in leaves if norms.is_float(g)]
         peaks = [norms.leaf_norm(g, float("inf"), axis_name) for g in floats]
-        finite = stats_lib.all_of([stats_lib.leaf_finite(g) for g in floats], axis_name)
-        found = iter(peaks)
-        peak_leaves = [next(found) if norms.is_float(g) else None for g in leaves]
-        new_updates = treedef.unflatten([g if p is None else _clamp(g, _read_first(bound, p))
-                                         for g, p in zip(leaves, peak_leaves)])
+        flags = [stats_lib.leaf_finite(g) for g in floats]
+        finite = stats_lib.all_of(flags, axis_name)
+        found = iter(zip(peaks, flags))
+        read = [next(found) if norms.is_float(g) else None for g in leaves]
+        new_updates = treedef.unflatten([g if r is None else _clamp(g, _read_first(bound, *r))
+                                         for g, r in zip(leaves, read)])
+        peak_leaves = [None if r is None else r[0] for r in read]
         peak = treedef.unflatten(peak_leaves)
         clipped = jax.tree.map(lambda p: p > bound, peak)
         return new_updates, _advance(state, finite, max_abs=peak, clipped=clipped)
