@@ -388,6 +388,29 @@ def test_stats_report_clipping(factory):
     assert any(key.endswith(("/clipped", "/clipped_frac")) for key in logged), sorted(logged)
 
 
+@pytest.mark.parametrize(("factory", "name"), [(optclip.clip_norm_by_ema, "clip_norm_by_ema"),
+                                             (optclip.normalize_by_ema, "normalize_by_ema")])
+def test_one_state_class_and_stats_keys_per_layout(factory, name):
+    """Both layouts share one state class; stats summarises per-leaf trees and reports the
+    global mode's scalars (and a single-array parameter's values) as they are."""
+    tree = {"a": jnp.array([3.0, 4.0]), "b": jnp.array([0.0, 12.0])}
+    by_leaf = factory(beta=0.5).update(tree, factory(beta=0.5).init(tree))[1]
+    whole = factory(beta=0.5, tensorwise=False)
+    whole_state = whole.update(tree, whole.init(tree))[1]
+    assert type(by_leaf) is type(whole_state)
+    logged = optclip.stats(by_leaf)
+    # Per-leaf norms 5 and 12: max and mean of the tree, 'clipped' as a fraction.
+    np.testing.assert_allclose(float(logged[f"{name}/norm_max"]), 12.0, rtol=1e-6)
+    np.testing.assert_allclose(float(logged[f"{name}/norm_mean"]), 8.5, rtol=1e-6)
+    assert f"{name}/clipped_frac" in logged and f"{name}/norm" not in logged
+    logged = optclip.stats(whole_state)
+    np.testing.assert_allclose(float(logged[f"{name}/norm"]), 13.0, rtol=1e-6)   # sqrt(9+16+144)
+    assert bool(logged[f"{name}/clipped"]) and f"{name}/norm_max" not in logged
+    single = jnp.array([3.0, 4.0])
+    logged = optclip.stats(factory(beta=0.5).update(single, factory(beta=0.5).init(single))[1])
+    np.testing.assert_allclose(float(logged[f"{name}/norm"]), 5.0, rtol=1e-6)
+
+
 def test_traced_hyperparameters_with_inject_hyperparams():
     seq = [as_tree(s) for s in S1]
     plain, _ = run(optclip.clip_norm_by_ema(beta=0.5), seq)
