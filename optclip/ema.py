@@ -17,7 +17,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from optclip._core import checks, norms, running, trees
@@ -268,70 +267,48 @@ def _fields(norm, step: _Step) -> dict:
 
 
 def _leafwise(leaves, old, floats, move, state, treedef, rule: _Rule):
-    """Each leaf against its own EMA, the per-leaf decisions taken on vectors (one entry per
-    leaf: one set of operations for any number of leaves).
+    """Each leaf against its own EMA: ``(ok, per-leaf (output factor, EMA factor), committed
+    state fields)``.
 
-    Returns ``(ok, per-leaf (output factor, EMA factor), committed state fields)``. Each leaf
-    reads its entries of the vectors through one small kernel (``running.per_leaf_trees``), so
-    the per-leaf computations stay identical across leaves of a shape and XLA compiles them
-    once; nothing per leaf is chained through the others.
+    Per leaf everything is 0-d values (never entries of a vector, which would make each
+    leaf's computations distinct kernels for XLA); the only step-wide values are the
+    finiteness test, one reduction over the gathered norms, and ``ok``.
     """
-    groups: dict = {}
-    for i in floats:                         # one set of vectors per statistics dtype
-        groups.setdefault(old[i].dtype, []).append(i)
     previous = {name: treedef.flatten_up_to(getattr(state, name)) for name in _FIELD_NAMES}
-    decided, flags = [], []
-    for members in groups.values():
-        a, b, finite, measurable = _norm_vectors(leaves, members, move, rule)
-        r_prev = norms.gather_scalars([previous["ema_norm"][i] for i in members])
-        step = _decide(a, b, r_prev, rule.first, rule.growth, rule.eps, rule.divisor_rule)
-        if not measurable.all():
-            one = jnp.ones_like(step.divisor)
-            step = step._replace(divisor=jnp.where(measurable, step.divisor, one),
-                                 output=jnp.where(measurable, step.output, one))
-        decided.append((members, a, step))
-        flags.append(jnp.all(finite))
-    ok = stats_lib.all_of(flags, rule.axis_name)
-    rows, per_leaf = {}, {name: {} for name in _FIELD_NAMES}
-    for members, a, step in decided:
-        values = [jnp.where(ok, v, norms.gather_scalars([previous[name][i] for i in members]))
-                  for name, v in _fields(a, step).items()]
-        got = running.per_leaf_trees([leaves[i] for i in members], 1 / step.output,
-                                     1 / step.shrink, *values)
-        for j, i in enumerate(members):
-            rows[i] = (got[0][j], got[1][j])
-            for n, name in enumerate(_FIELD_NAMES):
-                per_leaf[name][i] = got[2 + n][j]
-    return ok, rows, {name: trees.unflatten_at(treedef, v) for name, v in per_leaf.items()}
-
-
-def _norm_vectors(leaves, members, move, rule: _Rule):
-    """``(a, b, finite, measurable)``: per leaf of ``members``, the metric of the update and
-    of the moved EMA, whether both are finite, and (NumPy, static) whether the metric is
-    defined; vectors in the leaves' statistics dtype.
-
-    ddof=1 metrics of fewer than two elements are NaN in torchzero: such a leaf reads as norm 0
-    here and passes unchanged, and its statistics stay finite.
-    """
-    xs = [leaves[i] for i in members]
+    xs = [leaves[i] for i in floats]
     split = norms.split_axes(xs, rule.axis_name)
-    measurable = np.array([norms.metric_defined(rule.ord, x.size * norms.axes_size(axes))
-                           for x, axes in zip(xs, split)])
+    measurable = [norms.metric_defined(rule.ord, x.size * norms.axes_size(axes))
+                  for x, axes in zip(xs, split)]
     if rule.ord == 2.0:
-        a, b = _l2_vectors(xs, [lambda i=i: move(i) for i in members], split)
+        pairs = _l2_norms(xs, [lambda i=i: move(i) for i in floats], split)
     else:
-        a = norms.gather_scalars([norms.leaf_norm(x, rule.ord, rule.axis_name) for x in xs])
-        b = norms.gather_scalars([norms.leaf_norm(move(i), rule.ord, rule.axis_name)
-                                  for i in members]).astype(a.dtype)
-    if not measurable.all():
-        a, b = jnp.where(measurable, a, 0), jnp.where(measurable, b, 0)
-    finite = jnp.isfinite(a) & jnp.isfinite(b)
-    blind = ~measurable | (not norms.sees_nonfinite(rule.ord))   # the norms may miss a NaN
-    if blind.any():
-        finite = finite & norms.gather_scalars([
-            stats_lib.leaf_finite(x) if miss else jnp.asarray(True)
-            for x, miss in zip(xs, blind)])
-    return a, b, finite, measurable
+        pairs = [(norms.leaf_norm(x, rule.ord, rule.axis_name),
+                  norms.leaf_norm(move(i), rule.ord, rule.axis_name)) for x, i in zip(xs, floats)]
+    steps, seen, flags = {}, [], []
+    for k, i in enumerate(floats):
+        a, b = pairs[k]
+        b = b.astype(old[i].dtype)
+        a = a.astype(b.dtype)
+        if not measurable[k]:
+            a, b = jnp.zeros_like(a), jnp.zeros_like(b)
+        step = _decide(a, b, previous["ema_norm"][i], rule.first, rule.growth, rule.eps,
+                       rule.divisor_rule)
+        if not measurable[k]:
+            step = step._replace(divisor=jnp.ones_like(step.divisor),
+                                 output=jnp.ones_like(step.output))
+        if not (measurable[k] and norms.sees_nonfinite(rule.ord)):
+            flags.append(stats_lib.leaf_finite(xs[k]))
+        seen += [a, b]
+        steps[i] = (a, step)
+    if seen:
+        flags.append(jnp.all(jnp.isfinite(norms.gather_scalars(seen))))
+    ok = stats_lib.all_of(flags, rule.axis_name)
+    rows = {i: (1 / step.output, 1 / step.shrink) for i, (_, step) in steps.items()}
+    fields = {name: {} for name in _FIELD_NAMES}
+    for i, (a, step) in steps.items():
+        for name, v in _fields(a, step).items():
+            fields[name][i] = jnp.where(ok, v, previous[name][i])
+    return ok, rows, {name: trees.unflatten_at(treedef, v) for name, v in fields.items()}
 
 
 # Sums of squares are also taken scaled by 2**-k (exact: a power of two): no finite input of up
@@ -350,15 +327,15 @@ def _root(plain: jax.Array, scaled: jax.Array, shift: int) -> jax.Array:
         over, jnp.asarray(2.0 ** shift, plain.dtype), jnp.ones((), plain.dtype))
 
 
-def _l2_vectors(xs: list, moved: list, split: list) -> tuple[jax.Array, jax.Array]:
-    """L2 norms of the updates ``xs`` and of the moved EMAs (``moved[k]()``, built from
-    ``xs[k]`` and its EMA), as two vectors, each leaf read once for both.
+def _l2_norms(xs: list, moved: list, split: list) -> list[tuple[jax.Array, jax.Array]]:
+    """Per leaf, the L2 norms (0-d) of the update ``xs[k]`` and of the moved EMA
+    ``moved[k]()`` (built from ``xs[k]`` and its EMA), with no per-leaf branch.
 
     Small leaves (of one shape, several together) give the plain and scaled sums of squares of
     both from one variadic reduce; large leaves give the plain sums, and one scalar
     ``lax.cond`` for all of them takes their scaled sums on the rare step where a plain sum
-    overflowed. Only reduction results are gathered into the vectors; the roots are taken on
-    the vectors.
+    overflowed (instead of the two conds, one per list of norms, that measured every leaf
+    again).
     """
     small = [x.size <= _PAIR_MAX_ELEMENTS for x in xs]
 
@@ -394,9 +371,7 @@ def _l2_vectors(xs: list, moved: list, split: list) -> tuple[jax.Array, jax.Arra
         zero = [tuple(jnp.zeros_like(v) for v in plain[k]) for k in large]
         scaled.update(zip(large, jax.lax.cond(overflow, scaled_large, lambda: zero)))
     shift = _SHIFT[jnp.dtype(plain[0][0].dtype)]
-    return tuple(_root(norms.gather_scalars([plain[k][n] for k in everything]),
-                       norms.gather_scalars([scaled[k][n] for k in everything]), shift)
-                 for n in (0, 1))
+    return [tuple(_root(plain[k][n], scaled[k][n], shift) for n in (0, 1)) for k in everything]
 
 
 def _group_size(group: Any, axis_name: AxisName) -> int:

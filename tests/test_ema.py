@@ -411,6 +411,21 @@ def test_one_state_class_and_stats_keys_per_layout(factory, name):
     np.testing.assert_allclose(float(logged[f"{name}/norm"]), 5.0, rtol=1e-6)
 
 
+@pytest.mark.parametrize("size", [3, 5000], ids=["small_leaf", "large_leaf"])
+def test_norms_beyond_float32_sum_of_squares_stay_right(size):
+    """Elements of 1e20 overflow a float32 sum of squares (1e40): the norms are still the true
+    ones (small leaves: scaled sums taken alongside; large leaves: taken on overflow only)."""
+    x = jnp.full((size,), 1e20, jnp.float32)
+    tx = optclip.clip_norm_by_ema(beta=0.5)
+    state = tx.init({"w": x})
+    out, state = tx.update({"w": x}, state)
+    norm = 1e20 * math.sqrt(size)
+    np.testing.assert_allclose(float(state.norm["w"]), norm, rtol=1e-5)
+    np.testing.assert_allclose(float(state.ema_norm["w"]), norm / 2, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(out["w"]), np.full(size, 5e19), rtol=1e-5)
+    assert int(state.nonfinite) == 0
+
+
 def test_traced_hyperparameters_with_inject_hyperparams():
     seq = [as_tree(s) for s in S1]
     plain, _ = run(optclip.clip_norm_by_ema(beta=0.5), seq)
