@@ -70,8 +70,8 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
     for its second occurrence (in pytree order). Per-leaf or per-slice values (a tree of them,
     even of one leaf) are summarised as ``<field>_max`` and ``<field>_mean`` (numbers) or
     ``<field>_frac`` (flags: the fraction set); the full trees stay in the state. A scalar is
-    reported as it is, and so is the per-leaf value of a parameter that is a single array.
-    Pure and traceable: call it inside ``jax.jit``.
+    reported as it is (so is the per-leaf value of a parameter that is a single array, except
+    for fields a transform always summarises). Pure and traceable: call it inside ``jax.jit``.
     A flax ``nnx.Optimizer`` is read through its ``opt_state``; ``nnx.state(optimizer)`` has
     lost the state types and raises ``TypeError``.
 
