@@ -24,45 +24,38 @@ from optclip._core import stats as stats_lib
 from optclip._core.norms import AxisName, Ord
 
 __all__ = [
-    "ClipNormByEMAGlobalState", "ClipNormByEMAState", "ClipValueByEMAState",
-    "NormalizeByEMAGlobalState", "NormalizeByEMAState",
+    "ClipNormByEMAState", "ClipValueByEMAState", "NormalizeByEMAState",
     "clip_norm_by_ema", "clip_value_by_ema", "normalize_by_ema",
 ]
 
 EMA_INITS = ("zeros", "update")
 _NORM_FIELDS = ("norm", "ema_norm", "divisor", "clipped", "capped", "nonfinite")
-_PER_LEAF = ("norm", "ema_norm", "divisor", "clipped", "capped")
+_FIELD_NAMES = ("ema_norm", "norm", "divisor", "clipped", "capped")
 
 
-@stats_lib.diagnostic("clip_norm_by_ema", _NORM_FIELDS, per_leaf=_PER_LEAF)
+@stats_lib.diagnostic("clip_norm_by_ema", _NORM_FIELDS)
 class ClipNormByEMAState(NamedTuple):
-    """State of :func:`clip_norm_by_ema` with ``tensorwise=True`` (per-leaf scalars)."""
+    """State of :func:`clip_norm_by_ema`.
+
+    With ``tensorwise=True`` the diagnostics hold one value per leaf (trees mirroring the
+    updates, ``None`` at non-float leaves); with ``tensorwise=False`` one scalar each.
+    ``optclip.stats`` summarises the per-leaf trees and reports the scalars as they are.
+    """
 
     count: jax.Array      # int32 finite steps taken (0: the next finite step starts the EMA)
     ema: Any              # per leaf: EMA of the updates (leaf shape, float32 or wider)
-    ema_norm: Any         # per leaf: norm of the stored EMA after the growth cap
-    norm: Any             # per leaf: norm of the last finite update
+    ema_norm: Any         # per group: norm of the stored EMA after the growth cap
+    norm: Any             # per group: norm of the last finite update
     divisor: Any          # what that update was divided by
     clipped: Any          # divisor > 1: the update was scaled down
     capped: Any           # the growth cap rescaled the stored EMA
     nonfinite: jax.Array  # int32 steps whose updates were not finite (state left unchanged)
 
 
-# The other layouts share the fields; separate classes give each its own ``optclip.stats`` name
-# and keep the logged keys independent of the number of leaves.
-@stats_lib.diagnostic("clip_norm_by_ema", _NORM_FIELDS)
-class ClipNormByEMAGlobalState(ClipNormByEMAState):
-    """State of :func:`clip_norm_by_ema` with ``tensorwise=False`` (one scalar each)."""
-
-
-@stats_lib.diagnostic("normalize_by_ema", _NORM_FIELDS, per_leaf=_PER_LEAF)
-class NormalizeByEMAState(ClipNormByEMAState):
-    """State of :func:`normalize_by_ema` with ``tensorwise=True``."""
-
-
 @stats_lib.diagnostic("normalize_by_ema", _NORM_FIELDS)
-class NormalizeByEMAGlobalState(ClipNormByEMAState):
-    """State of :func:`normalize_by_ema` with ``tensorwise=False``."""
+class NormalizeByEMAState(ClipNormByEMAState):
+    """State of :func:`normalize_by_ema`: the fields of :class:`ClipNormByEMAState`, per leaf
+    (``tensorwise=True``) or one scalar each (``tensorwise=False``)."""
 
 
 @stats_lib.diagnostic("clip_value_by_ema", ("max_abs", "clipped", "nonfinite"),
@@ -213,49 +206,172 @@ def _norm_by_ema(divisor_rule, state_cls, beta, ord, eps, tensorwise, max_ema_gr
         del params
         first = state.count == 0
         growth = None if max_ema_growth is None else checks.resolve(max_ema_growth, state.count)
-
-        def group_step(x, a, b, r_prev, growth):
-            return _group_step(x, a, b, r_prev, first, growth, divisor_rule, ord, eps, axis_name)
-        leaves, (old, r_prev), treedef = trees.flatten_with(
-            updates, state.ema, state.ema_norm if tensorwise else state.ema)
+        leaves, (old,), treedef = trees.flatten_with(updates, state.ema)
         floats = [i for i, x in enumerate(leaves) if norms.is_float(x)]
 
-        def moved_leaves():
-            return [_moved(leaves[i], old[i], first, beta, ema_init) for i in floats]
+        def move(i):
+            return _moved(leaves[i], old[i], first, beta, ema_init)
 
-        xs, ms = [leaves[i] for i in floats], moved_leaves()
-        moved = dict(zip(floats, ms))
+        rule = _Rule(first, growth, divisor_rule, ord, eps, axis_name)
         if tensorwise:
-            pairs = zip(floats, norms.leaf_norms(xs, ord, axis_name),
-                        norms.leaf_norms(moved_leaves, ord, axis_name))
-            steps = {i: group_step(leaves[i], a, b, r_prev[i], growth) for i, a, b in pairs}
+            ok, rows, fields = _leafwise(leaves, old, floats, move, state, treedef, rule)
         else:
-            whole = group_step(xs, norms.global_norm(xs, ord, axis_name),
-                               norms.global_norm(ms, ord, axis_name), state.ema_norm, growth)
-            steps = {i: whole for i in floats}
-        ok = stats_lib.all_of([steps[i][2] for i in floats], axis_name)
+            ok, rows, fields = _whole(leaves, floats, move, state, rule)
         outputs, ema = list(leaves), [None] * len(leaves)
         for i in floats:
-            step = steps[i][1]
-            # A product, not x / d: XLA:CPU fuses it into each pass of the next transform,
+            out_factor, ema_factor = rows[i]
+            # Products, not quotients: XLA:CPU fuses a product into each pass that reads it,
             # where it would write a quotient out first (it never copies a division).
-            outputs[i] = norms.scale(leaves[i], 1 / step.output)
-            ema[i] = jnp.where(ok, moved[i] / step.shrink.astype(moved[i].dtype), old[i])
-
-        def per_group(get):
-            if not tensorwise:
-                return get(whole)
-            return trees.unflatten_at(treedef, {i: get(steps[i]) for i in floats})
-
-        new = state_cls(optax.safe_increment(state.count), treedef.unflatten(ema),
-                        per_group(lambda s: s[1].ema_norm), per_group(lambda s: s[0]),
-                        per_group(lambda s: s[1].divisor),
-                        per_group(lambda s: s[1].divisor > 1), per_group(lambda s: s[1].capped),
-                        state.nonfinite)
-        return treedef.unflatten(outputs), stats_lib.commit(ok, new, state)
+            outputs[i] = norms.scale(leaves[i], out_factor)
+            # The EMA is moved, rescaled and committed in the one pass that writes it.
+            ema[i] = jnp.where(ok, move(i) * ema_factor.astype(old[i].dtype), old[i])
+        new = state._replace(count=jnp.where(ok, optax.safe_increment(state.count), state.count),
+                             ema=treedef.unflatten(ema),
+                             nonfinite=stats_lib.count_nonfinite(state.nonfinite, ok), **fields)
+        return treedef.unflatten(outputs), new
 
     return checks.transformation(
         lambda params: _norm_ema_init(params, state_cls, tensorwise, ord), update_fn)
+
+
+class _Rule(NamedTuple):
+    """What the decision of a step depends on besides the norms."""
+    first: jax.Array
+    growth: Any
+    divisor_rule: Any
+    ord: Any
+    eps: float
+    axis_name: AxisName
+
+
+def _whole(leaves, floats, move, state, rule: _Rule):
+    """All leaves as one vector: ``(ok, per-leaf (output factor, EMA factor), state fields)``,
+    the state fields committed (the previous ones kept when ``ok`` fails)."""
+    xs = [leaves[i] for i in floats]
+    norm, step, finite = _group_step(
+        xs, norms.global_norm(xs, rule.ord, rule.axis_name),
+        norms.global_norm([move(i) for i in floats], rule.ord, rule.axis_name),
+        state.ema_norm, rule.first, rule.growth, rule.divisor_rule, rule.ord, rule.eps,
+        rule.axis_name)
+    ok = norms.all_true(finite, rule.axis_name) if floats else jnp.asarray(True)
+    fields = _fields(norm, step)
+    fields = {k: jnp.where(ok, v, getattr(state, k)) for k, v in fields.items()}
+    factors = (1 / step.output, 1 / step.shrink)
+    return ok, {i: factors for i in floats}, fields
+
+
+def _fields(norm, step: _Step) -> dict:
+    """The state's diagnostics of a step (per group)."""
+    return {"ema_norm": step.ema_norm, "norm": norm, "divisor": step.divisor,
+            "clipped": step.divisor > 1, "capped": step.capped}
+
+
+def _leafwise(leaves, old, floats, move, state, treedef, rule: _Rule):
+    """Each leaf against its own EMA: ``(ok, per-leaf (output factor, EMA factor), committed
+    state fields)``.
+
+    Per leaf everything is 0-d values (never entries of a vector, which would make each
+    leaf's computations distinct kernels for XLA); the only step-wide values are the
+    finiteness test, one reduction over the gathered norms, and ``ok``.
+    """
+    previous = {name: treedef.flatten_up_to(getattr(state, name)) for name in _FIELD_NAMES}
+    xs = [leaves[i] for i in floats]
+    split = norms.split_axes(xs, rule.axis_name)
+    measurable = [norms.metric_defined(rule.ord, x.size * norms.axes_size(axes))
+                  for x, axes in zip(xs, split)]
+    if rule.ord == 2.0:
+        pairs = _l2_norms(xs, [lambda i=i: move(i) for i in floats], split)
+    else:
+        pairs = [(norms.leaf_norm(x, rule.ord, rule.axis_name),
+                  norms.leaf_norm(move(i), rule.ord, rule.axis_name)) for x, i in zip(xs, floats)]
+    steps, seen, flags = {}, [], []
+    for k, i in enumerate(floats):
+        a, b = pairs[k]
+        b = b.astype(old[i].dtype)
+        a = a.astype(b.dtype)
+        if not measurable[k]:
+            a, b = jnp.zeros_like(a), jnp.zeros_like(b)
+        step = _decide(a, b, previous["ema_norm"][i], rule.first, rule.growth, rule.eps,
+                       rule.divisor_rule)
+        if not measurable[k]:
+            step = step._replace(divisor=jnp.ones_like(step.divisor),
+                                 output=jnp.ones_like(step.output))
+        if not (measurable[k] and norms.sees_nonfinite(rule.ord)):
+            flags.append(stats_lib.leaf_finite(xs[k]))
+        seen += [a, b]
+        steps[i] = (a, step)
+    if seen:
+        flags.append(jnp.all(jnp.isfinite(norms.gather_scalars(seen))))
+    ok = stats_lib.all_of(flags, rule.axis_name)
+    rows = {i: (1 / step.output, 1 / step.shrink) for i, (_, step) in steps.items()}
+    fields = {name: {} for name in _FIELD_NAMES}
+    for i, (a, step) in steps.items():
+        for name, v in _fields(a, step).items():
+            fields[name][i] = jnp.where(ok, v, previous[name][i])
+    return ok, rows, {name: trees.unflatten_at(treedef, v) for name, v in fields.items()}
+
+
+# Sums of squares are also taken scaled by 2**-k (exact: a power of two): no finite input of up
+# to 2**40 elements overflows the scaled sum, which holds the norm where the plain one overflowed.
+_SHIFT = {jnp.dtype(jnp.float32): 86, jnp.dtype(jnp.float64): 540}
+# Leaves up to this many elements get all four sums (plain and scaled, of the update and of the
+# moved EMA) from one variadic reduce, which XLA:CPU runs as one sequential loop (exact enough
+# at this size); larger leaves get the plain sums, and the scaled ones only on overflow.
+_PAIR_MAX_ELEMENTS = 1 << 12
+
+
+def _root(plain: jax.Array, scaled: jax.Array, shift: int) -> jax.Array:
+    """``sqrt(plain)``, or ``sqrt(scaled) 2**shift`` where ``plain`` overflowed."""
+    over = plain == jnp.inf
+    return norms.safe_sqrt(jnp.where(over, scaled, plain)) * jnp.where(
+        over, jnp.asarray(2.0 ** shift, plain.dtype), jnp.ones((), plain.dtype))
+
+
+def _l2_norms(xs: list, moved: list, split: list) -> list[tuple[jax.Array, jax.Array]]:
+    """Per leaf, the L2 norms (0-d) of the update ``xs[k]`` and of the moved EMA
+    ``moved[k]()`` (built from ``xs[k]`` and its EMA), with no per-leaf branch.
+
+    Small leaves (of one shape, several together) give the plain and scaled sums of squares of
+    both from one variadic reduce; large leaves give the plain sums, and one scalar
+    ``lax.cond`` for all of them takes their scaled sums on the rare step where a plain sum
+    overflowed (instead of the two conds, one per list of norms, that measured every leaf
+    again).
+    """
+    small = [x.size <= _PAIR_MAX_ELEMENTS for x in xs]
+
+    def down(dtype):
+        return jnp.asarray(2.0 ** -_SHIFT[jnp.dtype(dtype)], dtype)
+
+    def squares(k):
+        m = moved[k]()
+        x = xs[k].astype(m.dtype)
+        if not small[k]:
+            return jnp.square(x), jnp.square(m)
+        return (jnp.square(x), jnp.square(x * down(x.dtype)), jnp.square(m),
+                jnp.square(m * down(x.dtype)))
+
+    def totals(keys, parts):
+        return {k: tuple(norms.across(v, "sum", split[k]) for v in p)
+                for k, p in zip(keys, parts)}
+
+    everything = list(range(len(xs)))
+    sums = totals(everything, norms.leaf_reductions(everything, squares))
+    large = [k for k in everything if not small[k]]
+    plain = {k: (v[0], v[2 if small[k] else 1]) for k, v in sums.items()}
+    scaled = {k: (v[1], v[3]) for k, v in sums.items() if small[k]}
+    if large:
+        def scaled_large():
+            def prepare(k):
+                m = moved[k]()
+                return tuple(jnp.square(v * down(m.dtype)) for v in (xs[k].astype(m.dtype), m))
+            found = totals(large, norms.leaf_reductions(large, prepare))
+            return [found[k] for k in large]
+
+        overflow = jnp.any(jnp.isinf(norms.gather_scalars([v for k in large for v in plain[k]])))
+        zero = [tuple(jnp.zeros_like(v) for v in plain[k]) for k in large]
+        scaled.update(zip(large, jax.lax.cond(overflow, scaled_large, lambda: zero)))
+    shift = _SHIFT[jnp.dtype(plain[0][0].dtype)]
+    return [tuple(_root(plain[k][n], scaled[k][n], shift) for n in (0, 1)) for k in everything]
 
 
 def _group_size(group: Any, axis_name: AxisName) -> int:
@@ -333,9 +449,8 @@ def clip_norm_by_ema(
       [0.3, 0.4] 1.5
       [1.35, 1.8] 2.25
     """
-    state_cls = ClipNormByEMAState if tensorwise else ClipNormByEMAGlobalState
-    return _norm_by_ema(_clip_divisor, state_cls, beta, ord, eps, tensorwise, max_ema_growth,
-                        ema_init, axis_name)
+    return _norm_by_ema(_clip_divisor, ClipNormByEMAState, beta, ord, eps, tensorwise,
+                        max_ema_growth, ema_init, axis_name)
 
 
 def normalize_by_ema(
@@ -377,8 +492,7 @@ def normalize_by_ema(
       [1.5, 2.0]
       [0.9, 1.2]
     """
-    state_cls = NormalizeByEMAState if tensorwise else NormalizeByEMAGlobalState
-    return _norm_by_ema(_normalize_divisor, state_cls, beta, ord, eps, tensorwise,
+    return _norm_by_ema(_normalize_divisor, NormalizeByEMAState, beta, ord, eps, tensorwise,
                         max_ema_growth, ema_init, axis_name)
 
 

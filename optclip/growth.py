@@ -22,8 +22,8 @@ from optclip._core import checks, norms, trees
 from optclip._core import stats as stats_lib
 from optclip._core.norms import AxisName, Ord
 
-__all__ = ["ClipNormGrowthGlobalState", "ClipNormGrowthState", "ClipValueGrowthState",
-           "clip_norm_growth", "clip_value_growth"]
+__all__ = ["ClipNormGrowthState", "ClipValueGrowthState", "clip_norm_growth",
+           "clip_value_growth"]
 
 # torchzero floors the elementwise growth ratio here.
 _MIN_RATIO = 1e-8
@@ -42,22 +42,18 @@ class ClipValueGrowthState(NamedTuple):
 _NORM_FIELDS = ("norm", "prev_norm", "divisor", "clipped", "nonfinite")
 
 
-@stats_lib.diagnostic("clip_norm_growth", _NORM_FIELDS,
-                      per_leaf=("norm", "prev_norm", "divisor", "clipped"))
+@stats_lib.diagnostic("clip_norm_growth", _NORM_FIELDS)
 class ClipNormGrowthState(NamedTuple):
-    """State of :func:`clip_norm_growth` with ``parameterwise=True`` (per-leaf scalars)."""
+    """State of :func:`clip_norm_growth`: per-leaf values (trees mirroring the updates) with
+    ``parameterwise=True``, one scalar each with ``parameterwise=False``; ``optclip.stats``
+    summarises the trees and reports the scalars as they are."""
 
     count: jax.Array
-    prev_norm: Any        # per leaf: the reference norm for the next step
-    norm: Any             # per leaf: norm of the last finite update
+    prev_norm: Any        # per group: the reference norm for the next step
+    norm: Any             # per group: norm of the last finite update
     divisor: Any          # what that update was divided by
     clipped: Any          # divisor > 1
     nonfinite: jax.Array
-
-
-@stats_lib.diagnostic("clip_norm_growth", _NORM_FIELDS)
-class ClipNormGrowthGlobalState(ClipNormGrowthState):
-    """State of :func:`clip_norm_growth` with ``parameterwise=False`` (one scalar each)."""
 
 
 def _check_growth_args(add, mul, min_value, max_decay) -> None:
@@ -309,7 +305,7 @@ def clip_norm_growth(
     ord = norms.canonical_ord(ord)
     checks.boolean("parameterwise", parameterwise)
     norms.check_axis_name(axis_name)
-    state_cls = ClipNormGrowthState if parameterwise else ClipNormGrowthGlobalState
+    state_cls = ClipNormGrowthState
 
     group_step = functools.partial(_group_step, ord=ord)
 

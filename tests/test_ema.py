@@ -388,6 +388,44 @@ def test_stats_report_clipping(factory):
     assert any(key.endswith(("/clipped", "/clipped_frac")) for key in logged), sorted(logged)
 
 
+@pytest.mark.parametrize(("factory", "name"), [(optclip.clip_norm_by_ema, "clip_norm_by_ema"),
+                                             (optclip.normalize_by_ema, "normalize_by_ema")])
+def test_one_state_class_and_stats_keys_per_layout(factory, name):
+    """Both layouts share one state class; stats summarises per-leaf trees and reports the
+    global mode's scalars (and a single-array parameter's values) as they are."""
+    tree = {"a": jnp.array([3.0, 4.0]), "b": jnp.array([0.0, 12.0])}
+    by_leaf = factory(beta=0.5).update(tree, factory(beta=0.5).init(tree))[1]
+    whole = factory(beta=0.5, tensorwise=False)
+    whole_state = whole.update(tree, whole.init(tree))[1]
+    assert type(by_leaf) is type(whole_state)
+    logged = optclip.stats(by_leaf)
+    # Per-leaf norms 5 and 12: max and mean of the tree, 'clipped' as a fraction.
+    np.testing.assert_allclose(float(logged[f"{name}/norm_max"]), 12.0, rtol=1e-6)
+    np.testing.assert_allclose(float(logged[f"{name}/norm_mean"]), 8.5, rtol=1e-6)
+    assert f"{name}/clipped_frac" in logged and f"{name}/norm" not in logged
+    logged = optclip.stats(whole_state)
+    np.testing.assert_allclose(float(logged[f"{name}/norm"]), 13.0, rtol=1e-6)   # sqrt(9+16+144)
+    assert bool(logged[f"{name}/clipped"]) and f"{name}/norm_max" not in logged
+    single = jnp.array([3.0, 4.0])
+    logged = optclip.stats(factory(beta=0.5).update(single, factory(beta=0.5).init(single))[1])
+    np.testing.assert_allclose(float(logged[f"{name}/norm"]), 5.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("size", [3, 5000], ids=["small_leaf", "large_leaf"])
+def test_norms_beyond_float32_sum_of_squares_stay_right(size):
+    """Elements of 1e20 overflow a float32 sum of squares (1e40): the norms are still the true
+    ones (small leaves: scaled sums taken alongside; large leaves: taken on overflow only)."""
+    x = jnp.full((size,), 1e20, jnp.float32)
+    tx = optclip.clip_norm_by_ema(beta=0.5)
+    state = tx.init({"w": x})
+    out, state = tx.update({"w": x}, state)
+    norm = 1e20 * math.sqrt(size)
+    np.testing.assert_allclose(float(state.norm["w"]), norm, rtol=1e-5)
+    np.testing.assert_allclose(float(state.ema_norm["w"]), norm / 2, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(out["w"]), np.full(size, 5e19), rtol=1e-5)
+    assert int(state.nonfinite) == 0
+
+
 def test_traced_hyperparameters_with_inject_hyperparams():
     seq = [as_tree(s) for s in S1]
     plain, _ = run(optclip.clip_norm_by_ema(beta=0.5), seq)

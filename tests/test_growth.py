@@ -339,6 +339,23 @@ def test_stats_report_clipping(factory):
     assert any(key.endswith(("/clipped", "/clipped_frac")) for key in logged), sorted(logged)
 
 
+def test_clip_norm_growth_one_state_class_and_stats_keys():
+    """Both layouts share one state class; stats summarises the per-leaf trees and reports the
+    global mode's scalars as they are."""
+    tree = {"a": jnp.array([3.0, 4.0]), "b": jnp.array([0.0, 12.0])}
+    by_leaf = optclip.clip_norm_growth()
+    whole = optclip.clip_norm_growth(parameterwise=False)
+    s1, s2 = by_leaf.init(tree), whole.init(tree)
+    assert type(s1) is type(s2)
+    logged = optclip.stats(by_leaf.update(tree, s1)[1])
+    np.testing.assert_allclose(float(logged["clip_norm_growth/norm_max"]), 12.0, rtol=1e-6)
+    np.testing.assert_allclose(float(logged["clip_norm_growth/norm_mean"]), 8.5, rtol=1e-6)
+    assert "clip_norm_growth/clipped_frac" in logged
+    logged = optclip.stats(whole.update(tree, s2)[1])
+    np.testing.assert_allclose(float(logged["clip_norm_growth/norm"]), 13.0, rtol=1e-6)
+    assert "clip_norm_growth/clipped" in logged and "clip_norm_growth/norm_max" not in logged
+
+
 def test_bfloat16_growth_is_limited():
     """A tenfold step in bfloat16 grows by at most ``mul`` (1.5) over the stored reference."""
     for tx in (optclip.clip_value_growth(add=0.5), optclip.clip_norm_growth(add=0.5)):

@@ -25,9 +25,11 @@ _REGISTRY: dict[type, tuple[str, tuple[str, ...], frozenset[str]]] = {}
 def diagnostic(name: str, fields: tuple[str, ...], per_leaf: tuple[str, ...] = ()):
     """Class decorator: register a state ``NamedTuple`` whose ``fields`` ``stats`` reports.
 
-    Fields named in ``per_leaf`` hold a tree (per leaf or per slice) and are always summarised,
-    so the logged keys do not depend on the shape of the parameters; other fields are reported
-    as they are when they hold one scalar.
+    A field whose value is a tree of per-leaf (or per-slice) values is summarised, so the
+    logged keys do not depend on the number of leaves; a field holding one array of one element
+    (a scalar, or the value of a parameter that is a single array) is reported as it is. One
+    class thus serves a transform's per-leaf and global layouts alike. Fields named in
+    ``per_leaf`` are always summarised, even for a single-array parameter.
     """
     def register(cls):
         missing = (set(fields) | set(per_leaf)) - set(cls._fields)
@@ -38,12 +40,19 @@ def diagnostic(name: str, fields: tuple[str, ...], per_leaf: tuple[str, ...] = (
     return register
 
 
+def _is_scalar(value: Any) -> bool:
+    """One array of one element, not inside a container (a per-leaf tree, even of one leaf)."""
+    return jax.tree_util.treedef_is_leaf(jax.tree.structure(value)) and jnp.size(value) == 1
+
+
 def _summarise(key: str, value: Any, per_leaf: bool) -> dict[str, jax.Array]:
+    """``{key: value}`` for a scalar; ``key_max``/``key_mean`` (numbers) or ``key_frac``
+    (flags) for a tree of per-leaf values, or for any field when ``per_leaf``."""
     leaves = [jnp.asarray(x) for x in jax.tree.leaves(value)]
     leaves = [x for x in leaves if x.size > 0]
     if not leaves:
         return {}
-    if not per_leaf and len(leaves) == 1 and leaves[0].size == 1:
+    if not per_leaf and _is_scalar(value):
         return {key: leaves[0].reshape(())}
     if all(x.dtype == jnp.bool_ for x in leaves):
         hits = sum(jnp.sum(x, dtype=jnp.int32) for x in leaves)
@@ -58,9 +67,11 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
     """Flat, loggable scalars from every optclip transform found in ``opt_state``.
 
     Keys are ``"<transform>/<field>"``; a transform used twice gets ``"<transform>_1/..."``
-    for its second occurrence (in pytree order). Per-leaf or per-slice values are summarised
-    as ``<field>_max`` and ``<field>_mean`` (numbers) or ``<field>_frac`` (flags: the fraction
-    set); the full trees stay in the state. Pure and traceable: call it inside ``jax.jit``.
+    for its second occurrence (in pytree order). Per-leaf or per-slice values (a tree of them,
+    even of one leaf) are summarised as ``<field>_max`` and ``<field>_mean`` (numbers) or
+    ``<field>_frac`` (flags: the fraction set); the full trees stay in the state. A scalar is
+    reported as it is (so is the per-leaf value of a parameter that is a single array, except
+    for fields a transform always summarises). Pure and traceable: call it inside ``jax.jit``.
     A flax ``nnx.Optimizer`` is read through its ``opt_state``; ``nnx.state(optimizer)`` has
     lost the state types and raises ``TypeError``.
 
