@@ -169,34 +169,78 @@ def top_k_mask(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array) -> jax.A
     """Whether each entry is among the ``k`` largest ``|g|`` of its slice, shape ``(*batch, D)``.
 
     Stable: ties go to the lowest index first (torch.topk breaks them arbitrarily);
-    NaN ranks as the largest (it is kept, as in the reference). One sort of
-    ``(-|g|, index)`` per slice finds the ``k``-th entry; an entry is kept when it comes before
-    it in that order (no second sort to rank every entry).
+    NaN ranks as the largest (it is kept, as in the reference). No sort (XLA:CPU sorts and
+    ``top_k`` with a large ``k`` are slow): the ``k``-th largest magnitude of every slice is
+    found by a bisection on the bits of ``|g|``, one count per slice and round
+    (:func:`_largest`), and the entries at or above it are kept. Only where some slice holds
+    more entries equal to it than it may keep (one scalar test, ``lax.cond``) are those ties
+    cut at the right index, by a second bisection on the index.
     """
-    magnitude = _ranked_magnitude(slice_rows(g, axes))
-    if magnitude.shape[-1] == 0:
-        return jnp.zeros(magnitude.shape, bool)
-    # Built from a zeros_like so that it carries the slices' sharding under an explicit mesh.
-    index = jnp.zeros_like(magnitude, jnp.int32) + jnp.arange(magnitude.shape[-1],
-                                                               dtype=jnp.int32)
-    if isinstance(k, int) and 0 < k < magnitude.shape[-1]:
-        # top_k orders equal values by index too, and needs no full sort.
-        values, order = jax.lax.top_k(magnitude, k)
-        last, last_index = values[..., -1:], order[..., -1:]
-    else:
-        keys, order = jax.lax.sort((-magnitude, index), dimension=magnitude.ndim - 1,
-                                   num_keys=2)
-        at = jnp.clip(jnp.asarray(k) - 1, 0, magnitude.shape[-1] - 1)
-        last = -jax.lax.dynamic_index_in_dim(keys, at, axis=-1)
-        last_index = jax.lax.dynamic_index_in_dim(order, at, axis=-1)
-    keep = (magnitude > last) | ((magnitude == last) & (index <= last_index))
-    return keep & (k > 0)
+    bits = _magnitude_bits(slice_rows(g, axes))
+    size = bits.shape[-1]
+    if size == 0:
+        return jnp.zeros(bits.shape, bool)
+    k = jnp.asarray(k, jnp.int32)
+    # Per-slice values built from the data carry its sharding under an explicit mesh.
+    zero = jnp.zeros_like(bits[..., :1])
+    top = int(np.asarray(np.inf, _float_of(bits)).view(bits.dtype)) + 1
+    # The largest bit pattern with at least k entries at or above it: the k-th largest.
+    every = (zero + size).astype(_count_dtype(size))
+    kth, at_least = _largest(zero, top, lambda v: _row_count(bits >= v), k, every)
+
+    def cut_ties():
+        ties = bits == kth
+        wanted = k - _row_count(bits > kth).astype(jnp.int32)
+        index = jnp.zeros_like(bits, jnp.int32) + jnp.arange(size, dtype=jnp.int32)
+        # The last index with fewer than `wanted` ties before it: the last tie kept.
+        last, _ = _largest(zero.astype(jnp.int32), size + 1,
+                           lambda i: -_row_count(ties & (index < i)), 1 - wanted,
+                           every * 0)
+        return (bits > kth) | (ties & (index <= last))
+
+    exact = jnp.all(at_least == k.astype(at_least.dtype))
+    return jax.lax.cond(exact, lambda: bits >= kth, cut_ties) & (k > 0)
 
 
-def _ranked_magnitude(g: jax.Array) -> jax.Array:
-    """``|g|`` with NaN ranked as the largest (``inf``)."""
-    magnitude = jnp.abs(g)
-    return jnp.where(jnp.isnan(magnitude), jnp.inf, magnitude)
+def _float_of(bits: jax.Array):
+    return np.float64 if bits.dtype == jnp.int64 else np.float32
+
+
+def _magnitude_bits(g: jax.Array) -> jax.Array:
+    """The bits of ``|g|`` (NaN ranked as the largest, ``inf``) in the accumulation dtype, as
+    signed integers: non-negative floats order like their bit patterns."""
+    magnitude = jnp.abs(g.astype(norms.acc_dtype(g.dtype)))
+    magnitude = jnp.where(jnp.isnan(magnitude), jnp.inf, magnitude)
+    return jax.lax.bitcast_convert_type(magnitude, norms.int_type(magnitude.dtype))
+
+
+def _row_count(flags: jax.Array) -> jax.Array:
+    """How many ``flags`` are set along the last axis (keepdims): summed in float32 (exact up to
+    2**24, and XLA:CPU adds floats about twice as fast as integers), int32 for longer rows."""
+    return jnp.sum(flags, axis=-1, keepdims=True, dtype=_count_dtype(flags.shape[-1]))
+
+
+def _count_dtype(size: int) -> jnp.dtype:
+    return jnp.dtype(jnp.float32 if size <= 1 << 24 else jnp.int32)
+
+
+def _largest(low: jax.Array, width: int, count: Callable[[jax.Array], jax.Array],
+             wanted: jax.Array, counted: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per row, the largest ``v`` in ``[low, low + width)`` with ``count(v) >= wanted`` and
+    that count, by bisection: ``count`` must fall as ``v`` grows and ``counted = count(low)``
+    must reach ``wanted``. ``ceil(log2(width))`` rounds of one ``count`` each."""
+
+    def halve(_, carry):
+        low, high, counted = carry
+        middle = low + (high - low) // 2
+        at_middle = count(middle)
+        enough = at_middle >= jnp.asarray(wanted).astype(at_middle.dtype)
+        return (jnp.where(enough, middle, low), jnp.where(enough, high, middle),
+                jnp.where(enough, at_middle, counted))
+
+    rounds = (width - 1).bit_length()
+    low, _, counted = jax.lax.fori_loop(0, rounds, halve, (low, low + width, counted))
+    return low, counted
 
 
 def keep_top_k(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array,
@@ -230,10 +274,9 @@ def split_top_k(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array,
     slice's leading axis (as an FSDP layout does). ``axes`` are trailing (as ``param_ndim``
     gives them).
     """
-    magnitude = _ranked_magnitude(g.astype(norms.acc_dtype(g.dtype)))
-    bits = jax.lax.bitcast_convert_type(magnitude, norms.int_type(magnitude.dtype))
+    bits = _magnitude_bits(g)
     k = jnp.asarray(k, jnp.int32)
-    top = int(np.asarray(np.inf, magnitude.dtype).view(bits.dtype)) + 1
+    top = int(np.asarray(np.inf, _float_of(bits)).view(bits.dtype)) + 1
 
     def halve(_, bounds):
         low, high = bounds
