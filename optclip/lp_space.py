@@ -129,16 +129,15 @@ def _lp_normalize(ord: float, state_cls: type, name: str, param_ndim: int | None
     checks.non_negative("eps", eps)
     _check_affine(grad_scale, grad_bias)
 
-    def leaf(g, axes, split):
-        out, norm = slices.normalized(g, ord, axes, eps, split)
-        return _affine(out.astype(g.dtype), grad_scale, grad_bias), jnp.squeeze(norm, axis=axes)
-
     def apply(updates):
         leaves, treedef = jax.tree.flatten(updates)
         cut = slices.slicing(leaves, updates, param_ndim, axis_name)
-        results = [leaf(g, axes, split) if norms.is_float(g) else (g, None)
-                   for g, axes, split in zip(leaves, cut.axes, cut.split, strict=True)]
-        return tuple(treedef.unflatten([r[i] for r in results]) for i in range(2))
+        outputs, measured, finite = slices.normalized_leaves(leaves, cut, ord, eps, axis_name)
+        new_leaves = [g if out is None else _affine(out.astype(g.dtype), grad_scale, grad_bias)
+                      for g, out in zip(leaves, outputs, strict=True)]
+        squeezed = [None if norm is None else jnp.squeeze(norm, axis=axes)
+                    for norm, axes in zip(measured, cut.axes, strict=True)]
+        return treedef.unflatten(new_leaves), treedef.unflatten(squeezed), finite
 
     def init_fn(params):
         measured = stats_lib.zeros_like_params(lambda p: apply(p)[1], params)
@@ -146,8 +145,7 @@ def _lp_normalize(ord: float, state_cls: type, name: str, param_ndim: int | None
 
     def update_fn(updates, state, params=None):
         del params
-        new_updates, measured = apply(updates)
-        finite = stats_lib.all_finite(updates, axis_name)
+        new_updates, measured, finite = apply(updates)
         return new_updates, stats_lib.commit(finite, state_cls(measured, state.nonfinite), state)
 
     return checks.transformation(init_fn, update_fn)

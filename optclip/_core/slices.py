@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optclip._core import axes as axes_lib
-from optclip._core import checks, norms
+from optclip._core import checks, norms, stats
 
 # rai_toolbox's ``div_by_zero_eps`` default: float32's smallest normal number, 2**-126.
 TINY = float(np.finfo(np.float32).tiny)
@@ -95,7 +95,7 @@ def sign(g: jax.Array) -> jax.Array:
 
 
 def normalized(g: jax.Array, ord: float, axes: tuple[int, ...], eps: Any,
-                split: tuple[str, ...] = ()) -> tuple[jax.Array, jax.Array]:
+               split: tuple[str, ...] = ()) -> tuple[jax.Array, jax.Array]:
     """``g / max(||g||, eps)`` per slice, in the wide dtype; returns (output, norm).
 
     The norm is the plain reduction (the reference's formula in the normal range). Where it
@@ -104,30 +104,118 @@ def normalized(g: jax.Array, ord: float, axes: tuple[int, ...], eps: Any,
     finite, the slice is first scaled by a power of two that brings its max-abs into [0.5, 1),
     so the output has unit norm: the reference returns 8.5e7 for [1e-30, 0] and [0, 0] for
     [3e38, 3e38]. A zero slice stays zero in every dtype, also for ``eps=0`` (the
-    reference gives NaN in float16). XLA turns the division by a per-slice value into a
-    multiplication by its reciprocal, so results can differ from the reference by an ulp.
-    ``split``: mesh axes the slices are split over (inside ``shard_map``/``pmap``).
+    reference gives NaN in float16). The output is ``g`` times the reciprocal of the divisor
+    (what XLA makes of a division by a per-slice value), so results can differ from the
+    reference by an ulp. ``split``: mesh axes the slices are split over (inside
+    ``shard_map``/``pmap``). :func:`normalized_leaves` does the same for a list of leaves and
+    reads each leaf only once for the norm on a step where no slice needs the rescaling.
     """
-    wide = g.astype(norms.acc_dtype(g.dtype))
+    wide = _wide(g)
+    up, down, norm = _exact_factors(g, ord, axes, eps, split)
+    return wide * up * down, norm
+
+
+def _wide(g: jax.Array) -> jax.Array:
+    return g.astype(norms.acc_dtype(g.dtype))
+
+
+def _divisor(norm: jax.Array, eps: Any) -> jax.Array:
+    """``max(norm, eps)``, and 1 for a zero slice: it stays zero, with a finite derivative
+    (0 / eps**2 is NaN)."""
+    return jnp.where(norm == 0, 1, jnp.maximum(norm, jnp.asarray(eps).astype(norm.dtype)))
+
+
+def _limits(ord: float, dtype) -> tuple[float, float]:
+    """The norms ``[low, high)`` of the wide ``dtype`` that need no rescaling."""
+    tiny = float(jnp.finfo(dtype).tiny)
+    return (tiny if ord == 1.0 else math.sqrt(tiny)), 1 / tiny
+
+
+def _usual(norm: jax.Array, ord: float, dtype) -> jax.Array:
+    """Per slice: the plain norm of a slice of ``dtype`` is finite and needs no rescaling
+    (float16 never does: its squares cannot under- or overflow in float32; an L1 norm is 0
+    only for a zero slice)."""
+    if dtype == jnp.float16:
+        return jnp.isfinite(norm)
+    low, high = _limits(ord, norm.dtype)
+    return ((norm >= low) & (norm < high)) | ((norm == 0) if ord == 1.0 else False)
+
+
+def _exact_factors(g: jax.Array, ord: float, axes: tuple[int, ...], eps: Any,
+                   split: tuple[str, ...]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per slice ``(up, down, norm)``: the output of :func:`normalized` is ``wide(g) * up *
+    down`` (two factors, so that neither a power of two nor the product is out of range)."""
+    wide = _wide(g)
     norm = norms.slice_norm(wide, ord, axes, split)
-    eps = jnp.asarray(eps).astype(wide.dtype)
-    # float16 is accumulated in float32, where its norms can neither underflow nor overflow.
-    # A zero slice stays zero; dividing it by 1 keeps its derivative finite (0 / eps**2 is NaN).
-    plain = jnp.where(norm == 0, 1, jnp.maximum(norm, eps))
+    plain = _divisor(norm, eps)
     if g.dtype == jnp.float16:
-        return wide / plain, norm
-    tiny = float(jnp.finfo(wide.dtype).tiny)
-    low = tiny if ord == 1.0 else math.sqrt(tiny)
+        return jnp.ones_like(norm), 1 / plain, norm
     biggest = norms.across(jnp.max(jnp.abs(wide), axis=axes, keepdims=True, initial=0), "max",
                            split)
-    rescale = ((norm < low) | (norm >= 1 / tiny)) & (biggest > 0) & jnp.isfinite(biggest)
+    rescale = ~_usual(norm, ord, g.dtype) & (norm == norm) & (biggest > 0) & jnp.isfinite(biggest)
     # Scale by 2**-e (exact) in two halves, so that neither factor is subnormal or infinite.
     shift = jnp.where(rescale, -norms.binary_exponent(biggest), 0)
-    half = norms.pow2(shift >> 1, wide.dtype)
-    unit = wide * half * half * norms.pow2(shift & 1, wide.dtype)
-    denom = jnp.where(rescale, norms.slice_norm(unit, ord, axes, split), plain)
-    out = unit / jnp.where(denom == 0, 1, denom)
-    return out, jnp.where(rescale, norms.ldexp(denom, -shift), norm)
+    up, rest = norms.pow2(shift >> 1, wide.dtype), norms.pow2(shift - (shift >> 1), wide.dtype)
+    denom = jnp.where(rescale, norms.slice_norm(wide * up * rest, ord, axes, split), plain)
+    down = rest / jnp.where(denom == 0, 1, denom)
+    return up, down, jnp.where(rescale, norms.ldexp(denom, -shift), norm)
+
+
+def _plain_norm(g: jax.Array, ord: float, axes: tuple[int, ...],
+                split: tuple[str, ...]) -> jax.Array:
+    """The L1 or L2 norm of every slice (keepdims) from one plain sum (``inf`` where it
+    overflows, 0 where the squares underflow)."""
+    wide = _wide(g)
+    total = norms.across(jnp.sum(jnp.abs(wide) if ord == 1.0 else wide * wide, axis=axes,
+                                 keepdims=True), "sum", split)
+    return total if ord == 1.0 else norms.safe_sqrt(total)
+
+
+def _elementwise_normalized(g: jax.Array, ord: float, eps: Any) -> tuple[jax.Array, jax.Array]:
+    """:func:`normalized` of one-element slices: ``g / max(|g|, eps)``, ``sign(g)`` where the
+    reciprocal of ``|g|`` is out of range; the norm is ``|g|``."""
+    wide = _wide(g)
+    norm = jnp.abs(wide)
+    rescale = ~_usual(norm, ord, g.dtype) & (norm > 0) & jnp.isfinite(norm)
+    return jnp.where(rescale, jnp.sign(wide), wide / _divisor(norm, eps)), norm
+
+
+def normalized_leaves(leaves: list, cut: Slicing, ord: float, eps: Any,
+                      axis_name: norms.AxisName) -> tuple[list, list, jax.Array]:
+    """:func:`normalized` of every float leaf cut by ``cut``; returns (outputs in the wide dtype,
+    norms keepdims, whether every element of every float leaf is finite on every device).
+
+    Each leaf is read once, for one plain sum per slice (one-element slices need none). Only
+    when some slice's plain norm is zero (L2), non-finite or out of the range where its
+    reciprocal is exact (one scalar test for all leaves, ``lax.cond``) are the rescaled
+    divisors and the finiteness computed again exactly, as :func:`normalized` does; otherwise
+    every norm is finite, and so is every element. The scaling itself is elementwise outside
+    the ``cond``, so XLA can fuse it into the next transform.
+    """
+    reduced = [i for i, axes in enumerate(cut.axes) if axes]
+    plain = [_plain_norm(leaves[i], ord, cut.axes[i], cut.split[i]) for i in reduced]
+    odd = [jnp.any(~_usual(n, ord, leaves[i].dtype)) for i, n in zip(reduced, plain)]
+    rare = norms.any_true(jnp.any(norms.gather_scalars(odd)) if odd else jnp.asarray(False),
+                          axis_name)
+
+    def usual():
+        return [(jnp.ones_like(n), 1 / _divisor(n, eps), n) for n in plain], jnp.asarray(True)
+
+    def exact():
+        factors = [_exact_factors(leaves[i], ord, cut.axes[i], eps, cut.split[i])
+                   for i in reduced]
+        finite = stats.all_of([stats.leaf_finite(leaves[i]) for i in reduced], axis_name)
+        return factors, finite
+
+    factors, finite = jax.lax.cond(rare, exact, usual)
+    outputs, measured = [None] * len(leaves), [None] * len(leaves)
+    for i, (up, down, norm) in zip(reduced, factors):
+        outputs[i], measured[i] = _wide(leaves[i]) * up * down, norm
+    elementwise = [i for i, axes in enumerate(cut.axes) if axes == ()]
+    for i in elementwise:
+        outputs[i], measured[i] = _elementwise_normalized(leaves[i], ord, eps)
+    others = stats.all_of([stats.leaf_finite(leaves[i]) for i in elementwise], axis_name)
+    return outputs, measured, finite & others
 
 
 def explicit_sharding(x: jax.Array):
@@ -325,9 +413,11 @@ def top_q_kept(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array,
 
 def l1q(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array, eps: Any,
         split: tuple[str, ...] = ()) -> jax.Array:
-    """Top-k, sign, L1-normalize: ``±1/c`` on the ``c`` non-zero kept entries."""
-    signs = sign(top_q_kept(g, axes, k, split))
-    return normalized(signs, 1.0, axes, eps, split)[0].astype(g.dtype)
+    """Top-k, sign, L1-normalize: ``±1/c`` on the ``c`` non-zero kept entries (:func:`normalized`
+    of the signs, whose L1 norm ``c`` is an exact count: never rescaled)."""
+    signs = _wide(sign(top_q_kept(g, axes, k, split)))
+    count = norms.across(jnp.sum(jnp.abs(signs), axis=axes, keepdims=True), "sum", split)
+    return (signs / _divisor(count, eps)).astype(g.dtype)
 
 
 def logged_q(q: Any, leaf: jax.Array) -> jax.Array:
