@@ -4,6 +4,7 @@ validation, slice axes, sign and Lp normalization of slices, the top-q mask, cla
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Callable
@@ -110,9 +111,11 @@ def normalized(g: jax.Array, ord: float, axes: tuple[int, ...], eps: Any,
     ``shard_map``/``pmap``). :func:`normalized_leaves` does the same for a list of leaves and
     reads each leaf only once for the norm on a step where no slice needs the rescaling.
     """
-    wide = _wide(g)
-    up, down, norm = _exact_factors(g, ord, axes, eps, split)
-    return wide * up * down, norm
+    if not axes:
+        return _elementwise_normalized(g, ord, eps)
+    up, down, norm, _ = _rescued_factors(g, ord, axes, eps, split,
+                                         _plain_norm(g, ord, axes, split))
+    return _wide(g) * up * down, norm
 
 
 def _wide(g: jax.Array) -> jax.Array:
@@ -141,24 +144,28 @@ def _usual(norm: jax.Array, ord: float, dtype) -> jax.Array:
     return ((norm >= low) & (norm < high)) | ((norm == 0) if ord == 1.0 else False)
 
 
-def _exact_factors(g: jax.Array, ord: float, axes: tuple[int, ...], eps: Any,
-                   split: tuple[str, ...]) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Per slice ``(up, down, norm)``: the output of :func:`normalized` is ``wide(g) * up *
-    down`` (two factors, so that neither a power of two nor the product is out of range)."""
+def _rescued_factors(g: jax.Array, ord: float, axes: tuple[int, ...], eps: Any,
+                     split: tuple[str, ...], plain: jax.Array
+                     ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Per slice ``(up, down, norm, finite)`` from the slices' plain norms: the output of
+    :func:`normalized` is ``wide(g) * up * down``. Two more reads: the max-abs, and the norm of
+    every slice scaled by the power of two that brings its max-abs into [0.5, 1), which can
+    neither under- nor overflow, so it is finite exactly when the slice is (XLA:CPU's fast
+    maximum may skip NaN, the sum does not)."""
     wide = _wide(g)
-    norm = norms.slice_norm(wide, ord, axes, split)
-    plain = _divisor(norm, eps)
-    if g.dtype == jnp.float16:
-        return jnp.ones_like(norm), 1 / plain, norm
     biggest = norms.across(jnp.max(jnp.abs(wide), axis=axes, keepdims=True, initial=0), "max",
                            split)
-    rescale = ~_usual(norm, ord, g.dtype) & (norm == norm) & (biggest > 0) & jnp.isfinite(biggest)
+    scalable = (biggest > 0) & jnp.isfinite(biggest)
+    rescale = scalable & ~_usual(plain, ord, g.dtype) & (g.dtype != jnp.float16)
     # Scale by 2**-e (exact) in two halves, so that neither factor is subnormal or infinite.
-    shift = jnp.where(rescale, -norms.binary_exponent(biggest), 0)
-    up, rest = norms.pow2(shift >> 1, wide.dtype), norms.pow2(shift - (shift >> 1), wide.dtype)
-    denom = jnp.where(rescale, norms.slice_norm(wide * up * rest, ord, axes, split), plain)
-    down = rest / jnp.where(denom == 0, 1, denom)
-    return up, down, jnp.where(rescale, norms.ldexp(denom, -shift), norm)
+    shift = jnp.where(scalable, -norms.binary_exponent(biggest), 0)
+    half, rest = norms.pow2(shift >> 1, wide.dtype), norms.pow2(shift - (shift >> 1), wide.dtype)
+    unit = _plain_norm(wide * half * rest, ord, axes, split)
+    denom = jnp.where(rescale, unit, _divisor(plain, eps))
+    up = jnp.where(rescale, half, 1)
+    down = jnp.where(rescale, rest, 1) / jnp.where(denom == 0, 1, denom)
+    norm = jnp.where(rescale, norms.ldexp(unit, -jnp.where(rescale, shift, 0)), plain)
+    return up, down, norm, jnp.isfinite(unit)
 
 
 def _plain_norm(g: jax.Array, ord: float, axes: tuple[int, ...],
@@ -202,10 +209,10 @@ def normalized_leaves(leaves: list, cut: Slicing, ord: float, eps: Any,
         return [(jnp.ones_like(n), 1 / _divisor(n, eps), n) for n in plain], jnp.asarray(True)
 
     def exact():
-        factors = [_exact_factors(leaves[i], ord, cut.axes[i], eps, cut.split[i])
-                   for i in reduced]
-        finite = stats.all_of([stats.leaf_finite(leaves[i]) for i in reduced], axis_name)
-        return factors, finite
+        factors = [_rescued_factors(leaves[i], ord, cut.axes[i], eps, cut.split[i], n)
+                   for i, n in zip(reduced, plain)]
+        finite = stats.all_of([jnp.all(f[3]) for f in factors], axis_name)
+        return [f[:3] for f in factors], finite
 
     factors, finite = jax.lax.cond(rare, exact, usual)
     outputs, measured = [None] * len(leaves), [None] * len(leaves)
@@ -253,41 +260,62 @@ def slice_mask(mask: jax.Array, like: jax.Array) -> jax.Array:
     return mask if sharding is None else jax.sharding.reshard(mask, sharding)
 
 
-def top_k_mask(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array) -> jax.Array:
-    """Whether each entry is among the ``k`` largest ``|g|`` of its slice, shape ``(*batch, D)``.
+def top_k_masks(rows: list, ks: list) -> list:
+    """For each ``(*batch, D)`` array of ``rows``, whether each entry is among the ``k`` largest
+    ``|g|`` of its row (``k`` from ``ks``, a Python int or an int32 scalar).
 
     Stable: ties go to the lowest index first (torch.topk breaks them arbitrarily);
     NaN ranks as the largest (it is kept, as in the reference). No sort (XLA:CPU sorts and
-    ``top_k`` with a large ``k`` are slow): the ``k``-th largest magnitude of every slice is
-    found by a bisection on the bits of ``|g|``, one count per slice and round
-    (:func:`_largest`), and the entries at or above it are kept. Only where some slice holds
-    more entries equal to it than it may keep (one scalar test, ``lax.cond``) are those ties
-    cut at the right index, by a second bisection on the index.
+    ``top_k`` with a large ``k`` are slow): the ``k``-th largest magnitude of every row is
+    found by a bisection on the bits of ``|g|``, one count per row and round
+    (:func:`_largest`), and the entries above it are kept, and those equal to it up to a cut
+    index. That index is the row's end unless some row holds more entries equal to it than
+    it may keep (one scalar test for all arrays, ``lax.cond``); only then is it found by a
+    second bisection, on the index. One loop and one test for all arrays: XLA compiles one
+    ``while`` and one ``cond``, not one per leaf.
     """
-    bits = _magnitude_bits(slice_rows(g, axes))
-    size = bits.shape[-1]
-    if size == 0:
-        return jnp.zeros(bits.shape, bool)
-    k = jnp.asarray(k, jnp.int32)
-    # Per-slice values built from the data carry its sharding under an explicit mesh.
-    zero = jnp.zeros_like(bits[..., :1])
-    top = int(np.asarray(np.inf, _float_of(bits)).view(bits.dtype)) + 1
+    ranked = [i for i, r in enumerate(rows) if r.shape[-1] > 0]
+    bits = [_magnitude_bits(rows[i]) for i in ranked]
+    ks = [jnp.asarray(ks[i], jnp.int32) for i in ranked]
+    # Per-row values built from the data carry its sharding under an explicit mesh.
+    zeros = [jnp.zeros_like(b[..., :1]) for b in bits]
+    sizes = [b.shape[-1] for b in bits]
+    every = [(z + n).astype(_count_dtype(n)) for z, n in zip(zeros, sizes)]
+    tops = [int(np.asarray(np.inf, _float_of(b)).view(b.dtype)) + 1 for b in bits]
     # The largest bit pattern with at least k entries at or above it: the k-th largest.
-    every = (zero + size).astype(_count_dtype(size))
-    kth, at_least = _largest(zero, top, lambda v: _row_count(bits >= v), k, every)
+    kth, at_least = _largest(zeros, tops, [functools.partial(_at_or_above, b) for b in bits],
+                             ks, every)
+    exact = [jnp.all(a == k.astype(a.dtype)) for a, k in zip(at_least, ks)]
+    index = [jnp.zeros_like(b, jnp.int32) + jnp.arange(n, dtype=jnp.int32)
+             for b, n in zip(bits, sizes)]
+
+    def row_ends():
+        return [z.astype(jnp.int32) + n - 1 for z, n in zip(zeros, sizes)]
 
     def cut_ties():
-        ties = bits == kth
-        wanted = k - _row_count(bits > kth).astype(jnp.int32)
-        index = jnp.zeros_like(bits, jnp.int32) + jnp.arange(size, dtype=jnp.int32)
-        # The last index with fewer than `wanted` ties before it: the last tie kept.
-        last, _ = _largest(zero.astype(jnp.int32), size + 1,
-                           lambda i: -_row_count(ties & (index < i)), 1 - wanted,
-                           every * 0)
-        return (bits > kth) | (ties & (index <= last))
+        # Per row the last index with fewer than `wanted` ties before it: the last tie kept.
+        ties = [b == t for b, t in zip(bits, kth)]
+        wanted = [1 - k + _row_count(b > t).astype(jnp.int32)
+                  for b, t, k in zip(bits, kth, ks)]
+        counts = [functools.partial(_ties_before, t, i) for t, i in zip(ties, index)]
+        return _largest([z.astype(jnp.int32) for z in zeros], [n + 1 for n in sizes], counts,
+                        wanted, [e * 0 for e in every])[0]
 
-    exact = jnp.all(at_least == k.astype(at_least.dtype))
-    return jax.lax.cond(exact, lambda: bits >= kth, cut_ties) & (k > 0)
+    last = jax.lax.cond(jnp.all(norms.gather_scalars(exact)), row_ends,
+                        cut_ties) if ranked else []
+    masks = [jnp.zeros(r.shape, bool) for r in rows]
+    for j, i in enumerate(ranked):
+        b, t = bits[j], kth[j]
+        masks[i] = ((b > t) | ((b == t) & (index[j] <= last[j]))) & (ks[j] > 0)
+    return masks
+
+
+def _at_or_above(bits: jax.Array, value: jax.Array) -> jax.Array:
+    return _row_count(bits >= value)
+
+
+def _ties_before(ties: jax.Array, index: jax.Array, end: jax.Array) -> jax.Array:
+    return -_row_count(ties & (index < end))
 
 
 def _float_of(bits: jax.Array):
@@ -312,23 +340,31 @@ def _count_dtype(size: int) -> jnp.dtype:
     return jnp.dtype(jnp.float32 if size <= 1 << 24 else jnp.int32)
 
 
-def _largest(low: jax.Array, width: int, count: Callable[[jax.Array], jax.Array],
-             wanted: jax.Array, counted: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per row, the largest ``v`` in ``[low, low + width)`` with ``count(v) >= wanted`` and
-    that count, by bisection: ``count`` must fall as ``v`` grows and ``counted = count(low)``
-    must reach ``wanted``. ``ceil(log2(width))`` rounds of one ``count`` each."""
+def _largest(lows: list, widths: list, counts: list, wanted: list, counted: list
+             ) -> tuple[list, list]:
+    """Per row of every array, the largest ``v`` in ``[low, low + width)`` with
+    ``count(v) >= wanted``, and that count, by bisection: each ``count`` must fall as ``v``
+    grows, and ``counted = count(low)`` must reach ``wanted``. ``ceil(log2(width))`` rounds of
+    one ``count`` each, in one loop per number of rounds."""
+    rounds = [(w - 1).bit_length() for w in widths]
+    found, found_count = list(lows), list(counted)
+    for n in sorted(set(rounds)):
+        group = [i for i, r in enumerate(rounds) if r == n]
 
-    def halve(_, carry):
-        low, high, counted = carry
-        middle = low + (high - low) // 2
-        at_middle = count(middle)
-        enough = at_middle >= jnp.asarray(wanted).astype(at_middle.dtype)
-        return (jnp.where(enough, middle, low), jnp.where(enough, high, middle),
-                jnp.where(enough, at_middle, counted))
+        def halve(_, carry, group=group):
+            out = []
+            for i, (low, high, best) in zip(group, carry):
+                middle = low + (high - low) // 2
+                at_middle = counts[i](middle)
+                enough = at_middle >= jnp.asarray(wanted[i]).astype(at_middle.dtype)
+                out.append((jnp.where(enough, middle, low), jnp.where(enough, high, middle),
+                            jnp.where(enough, at_middle, best)))
+            return out
 
-    rounds = (width - 1).bit_length()
-    low, _, counted = jax.lax.fori_loop(0, rounds, halve, (low, low + width, counted))
-    return low, counted
+        start = [(lows[i], lows[i] + widths[i], counted[i]) for i in group]
+        for i, (low, _, best) in zip(group, jax.lax.fori_loop(0, n, halve, start)):
+            found[i], found_count[i] = low, best
+    return found, found_count
 
 
 def keep_top_k(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array,
@@ -341,7 +377,7 @@ def keep_top_k(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array,
     """
     if split:
         return split_top_k(g, axes, k, split)
-    return slice_mask(top_k_mask(g, axes, k), g)
+    return slice_mask(top_k_masks([slice_rows(g, axes)], [k])[0], g)
 
 
 def _count(flags: jax.Array, axes: tuple[int, ...], split: tuple[str, ...]) -> jax.Array:
@@ -402,22 +438,53 @@ def top_q_kept(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array,
                split: tuple[str, ...] = ()) -> jax.Array:
     """``g`` with all but the ``k`` largest-``|g|`` entries of every slice set to zero
     (slices split over the mesh axes ``split``, as in :func:`keep_top_k`)."""
-    size = axes_lib.slice_size(g.shape, axes) * norms.axes_size(split)
-    if isinstance(k, int):
-        if k <= 0:
-            return jnp.zeros_like(g)
-        if k >= size:
-            return g
-    return jnp.where(keep_top_k(g, axes, k, split), g, jnp.zeros_like(g))
+    return top_q_kept_leaves([g], [axes], [k], [split])[0]
+
+
+def top_q_kept_leaves(leaves: list, axes_of: list, k_of: list, split_of: list) -> list:
+    """:func:`top_q_kept` of every leaf (``None`` axes: the leaf is returned as it is); the
+    slices that lie whole on each device are ranked together (:func:`top_k_masks`)."""
+    out = list(leaves)
+    local = []
+    for i, (g, axes, k, split) in enumerate(zip(leaves, axes_of, k_of, split_of, strict=True)):
+        if axes is None:
+            continue
+        size = axes_lib.slice_size(g.shape, axes) * norms.axes_size(split)
+        if isinstance(k, int) and k <= 0:
+            out[i] = jnp.zeros_like(g)
+        elif isinstance(k, int) and k >= size:
+            out[i] = g
+        elif split:
+            out[i] = jnp.where(split_top_k(g, axes, k, split), g, jnp.zeros_like(g))
+        else:
+            local.append(i)
+    masks = top_k_masks([slice_rows(leaves[i], axes_of[i]) for i in local],
+                        [k_of[i] for i in local])
+    for i, mask in zip(local, masks):
+        out[i] = jnp.where(slice_mask(mask, leaves[i]), leaves[i], jnp.zeros_like(leaves[i]))
+    return out
 
 
 def l1q(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array, eps: Any,
         split: tuple[str, ...] = ()) -> jax.Array:
     """Top-k, sign, L1-normalize: ``±1/c`` on the ``c`` non-zero kept entries (:func:`normalized`
     of the signs, whose L1 norm ``c`` is an exact count: never rescaled)."""
-    signs = _wide(sign(top_q_kept(g, axes, k, split)))
+    return l1q_leaves([g], [axes], [k], [split], eps)[0]
+
+
+def l1q_leaves(leaves: list, axes_of: list, k_of: list, split_of: list, eps: Any) -> list:
+    """:func:`l1q` of every leaf (``None`` axes: returned as it is), ranked together as in
+    :func:`top_q_kept_leaves`."""
+    kept = top_q_kept_leaves(leaves, axes_of, k_of, split_of)
+    return [g if axes is None else _signs_over_count(x, axes, split, eps).astype(g.dtype)
+            for g, x, axes, split in zip(leaves, kept, axes_of, split_of, strict=True)]
+
+
+def _signs_over_count(kept: jax.Array, axes: tuple[int, ...], split: tuple[str, ...],
+                      eps: Any) -> jax.Array:
+    signs = _wide(sign(kept))
     count = norms.across(jnp.sum(jnp.abs(signs), axis=axes, keepdims=True), "sum", split)
-    return (signs / _divisor(count, eps)).astype(g.dtype)
+    return signs / _divisor(count, eps)
 
 
 def logged_q(q: Any, leaf: jax.Array) -> jax.Array:
@@ -485,6 +552,24 @@ def clamp_tree(tree: Any, low: Any, high: Any, axis_name: norms.AxisName
         lambda x, c: norms.any_true(jnp.any(x != c), axis_name) if norms.is_float(x) else None,
         tree, clamped)
     return clamped, moved
+
+
+def clamped_leaves(tree: Any, low: Any, high: Any, axis_name: norms.AxisName
+                   ) -> tuple[Any, Any, jax.Array]:
+    """``(clip(tree, low, high), moved, finite)``: :func:`clamp_tree` that also tells whether
+    every float element is finite (on every device along ``axis_name``), from the same single
+    read of each leaf: ``Σ (moved + x * 0)`` is NaN exactly when some element is not finite
+    (``x * 0`` is NaN for NaN and ±Inf), and otherwise counts the moved elements. ``moved``
+    is only meaningful on a finite step (where it is not, the step is not committed)."""
+    def leaf_sum(x):
+        moved = (x != clip(x, low, high)).astype(x.dtype)
+        return jnp.sum(moved + x * jnp.zeros((), x.dtype), dtype=norms.acc_dtype(x.dtype))
+
+    sums = norms.float_map(leaf_sum, tree)
+    moved = jax.tree.map(lambda x, s: norms.any_true(s > 0, axis_name)
+                         if norms.is_float(x) else None, tree, sums)
+    finite = stats.all_of([jnp.isfinite(s) for s in norms.float_leaves(sums)], axis_name)
+    return norms.float_map(lambda x: clip(x, low, high), tree), moved, finite
 
 
 def clip(x: jax.Array, low: Any, high: Any) -> jax.Array:
