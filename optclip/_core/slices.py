@@ -345,24 +345,25 @@ def _largest(lows: list, widths: list, counts: list, wanted: list, counted: list
     """Per row of every array, the largest ``v`` in ``[low, low + width)`` with
     ``count(v) >= wanted``, and that count, by bisection: each ``count`` must fall as ``v``
     grows, and ``counted = count(low)`` must reach ``wanted``. ``ceil(log2(width))`` rounds of
-    one ``count`` each, in one loop per number of rounds."""
+    one ``count`` each, in one loop per number of rounds; round ``r`` tries adding the bit
+    ``2**(rounds - 1 - r)`` to ``v`` (a scalar step: no per-row division)."""
     rounds = [(w - 1).bit_length() for w in widths]
     found, found_count = list(lows), list(counted)
     for n in sorted(set(rounds)):
         group = [i for i, r in enumerate(rounds) if r == n]
 
-        def halve(_, carry, group=group):
+        def grow(r, carry, group=group, n=n):
             out = []
-            for i, (low, high, best) in zip(group, carry):
-                middle = low + (high - low) // 2
+            for i, (low, best) in zip(group, carry):
+                middle = low + jnp.left_shift(jnp.asarray(1, low.dtype),
+                                              (n - 1 - r).astype(low.dtype))
                 at_middle = counts[i](middle)
                 enough = at_middle >= jnp.asarray(wanted[i]).astype(at_middle.dtype)
-                out.append((jnp.where(enough, middle, low), jnp.where(enough, high, middle),
-                            jnp.where(enough, at_middle, best)))
+                out.append((jnp.where(enough, middle, low), jnp.where(enough, at_middle, best)))
             return out
 
-        start = [(lows[i], lows[i] + widths[i], counted[i]) for i in group]
-        for i, (low, _, best) in zip(group, jax.lax.fori_loop(0, n, halve, start)):
+        start = [(lows[i], counted[i]) for i in group]
+        for i, (low, best) in zip(group, jax.lax.fori_loop(0, n, grow, start)):
             found[i], found_count[i] = low, best
     return found, found_count
 
