@@ -286,8 +286,6 @@ def top_k_masks(rows: list, ks: list) -> list:
     kth, at_least = _largest(zeros, tops, [functools.partial(_at_or_above, b) for b in bits],
                              ks, every)
     exact = [jnp.all(a == k.astype(a.dtype)) for a, k in zip(at_least, ks)]
-    index = [jnp.zeros_like(b, jnp.int32) + jnp.arange(n, dtype=jnp.int32)
-             for b, n in zip(bits, sizes)]
 
     def row_ends():
         return [z.astype(jnp.int32) + n - 1 for z, n in zip(zeros, sizes)]
@@ -297,7 +295,7 @@ def top_k_masks(rows: list, ks: list) -> list:
         ties = [b == t for b, t in zip(bits, kth)]
         wanted = [1 - k + _row_count(b > t).astype(jnp.int32)
                   for b, t, k in zip(bits, kth, ks)]
-        counts = [functools.partial(_ties_before, t, i) for t, i in zip(ties, index)]
+        counts = [functools.partial(_ties_before, t, _row_index(t)) for t in ties]
         return _largest([z.astype(jnp.int32) for z in zeros], [n + 1 for n in sizes], counts,
                         wanted, [e * 0 for e in every])[0]
 
@@ -306,8 +304,13 @@ def top_k_masks(rows: list, ks: list) -> list:
     masks = [jnp.zeros(r.shape, bool) for r in rows]
     for j, i in enumerate(ranked):
         b, t = bits[j], kth[j]
-        masks[i] = ((b > t) | ((b == t) & (index[j] <= last[j]))) & (ks[j] > 0)
+        masks[i] = ((b > t) | ((b == t) & (_row_index(b) <= last[j]))) & (ks[j] > 0)
     return masks
+
+
+def _row_index(x: jax.Array) -> jax.Array:
+    """The index of every entry along the last axis (built from ``x``: its sharding)."""
+    return jnp.zeros_like(x, jnp.int32) + jnp.arange(x.shape[-1], dtype=jnp.int32)
 
 
 def _at_or_above(bits: jax.Array, value: jax.Array) -> jax.Array:
