@@ -129,16 +129,15 @@ def _lp_normalize(ord: float, state_cls: type, name: str, param_ndim: int | None
     checks.non_negative("eps", eps)
     _check_affine(grad_scale, grad_bias)
 
-    def leaf(g, axes, split):
-        out, norm = slices.normalized(g, ord, axes, eps, split)
-        return _affine(out.astype(g.dtype), grad_scale, grad_bias), jnp.squeeze(norm, axis=axes)
-
     def apply(updates):
         leaves, treedef = jax.tree.flatten(updates)
         cut = slices.slicing(leaves, updates, param_ndim, axis_name)
-        results = [leaf(g, axes, split) if norms.is_float(g) else (g, None)
-                   for g, axes, split in zip(leaves, cut.axes, cut.split, strict=True)]
-        return tuple(treedef.unflatten([r[i] for r in results]) for i in range(2))
+        outputs, measured, finite = slices.normalized_leaves(leaves, cut, ord, eps, axis_name)
+        new_leaves = [g if out is None else _affine(out.astype(g.dtype), grad_scale, grad_bias)
+                      for g, out in zip(leaves, outputs, strict=True)]
+        squeezed = [None if norm is None else jnp.squeeze(norm, axis=axes)
+                    for norm, axes in zip(measured, cut.axes, strict=True)]
+        return treedef.unflatten(new_leaves), treedef.unflatten(squeezed), finite
 
     def init_fn(params):
         measured = stats_lib.zeros_like_params(lambda p: apply(p)[1], params)
@@ -146,8 +145,7 @@ def _lp_normalize(ord: float, state_cls: type, name: str, param_ndim: int | None
 
     def update_fn(updates, state, params=None):
         del params
-        new_updates, measured = apply(updates)
-        finite = stats_lib.all_finite(updates, axis_name)
+        new_updates, measured, finite = apply(updates)
         return new_updates, stats_lib.commit(finite, state_cls(measured, state.nonfinite), state)
 
     return checks.transformation(init_fn, update_fn)
@@ -228,9 +226,10 @@ def l2_normalize(param_ndim: int | None = -1, eps: float = slices.TINY, grad_sca
 
 
 def _top_q_family(name: str, state_cls: type, q: Any, dq: Any, param_ndim: Any, seed: int,
-                  leaf_fn, grad_scale: Any, grad_bias: Any, axis_name: norms.AxisName
+                  leaves_fn, grad_scale: Any, grad_bias: Any, axis_name: norms.AxisName
                   ) -> optax.GradientTransformation:
-    """Shared body of ``top_q`` and ``l1q_normalize``: ``leaf_fn(g, axes, k, split)``."""
+    """Shared body of ``top_q`` and ``l1q_normalize``: ``leaves_fn(leaves, axes_of, k_of,
+    split_of)`` (``None`` axes for non-float leaves, returned as they are)."""
     axes_lib.check_param_ndim_spec(param_ndim)
     slices.check_q(q, dq, seed)
     _check_affine(grad_scale, grad_bias)
@@ -245,9 +244,9 @@ def _top_q_family(name: str, state_cls: type, q: Any, dq: Any, param_ndim: Any, 
         leaves, treedef = jax.tree.flatten(updates)
         cut = slices.slicing(leaves, updates, param_ndim, axis_name)
         key, q_of, k_of = fraction.draw(state.key, leaves, cut.sizes)
-        new_leaves = [_affine(leaf_fn(g, axes, k, split), grad_scale, grad_bias)
-                      if norms.is_float(g) else g
-                      for g, axes, k, split in zip(leaves, cut.axes, k_of, cut.split, strict=True)]
+        ranked = leaves_fn(leaves, cut.axes, k_of, cut.split)
+        new_leaves = [_affine(r, grad_scale, grad_bias) if norms.is_float(g) else g
+                      for g, r in zip(leaves, ranked, strict=True)]
         new_state = state_cls(key, treedef.unflatten(q_of),
                               treedef.unflatten(slices.k_arrays(k_of)), state.nonfinite)
         finite = stats_lib.all_finite(updates, axis_name)
@@ -306,8 +305,8 @@ def top_q(q: float, dq: float = 0.0, param_ndim: int | None = -1, grad_scale: fl
       >>> tx.update(g, tx.init(g))[0].tolist()
       [[0.0, 1.0], [-2.5, 0.0]]
     """
-    return _top_q_family("top_q", TopQState, q, dq, param_ndim, seed, slices.top_q_kept, grad_scale,
-                         grad_bias, axis_name)
+    return _top_q_family("top_q", TopQState, q, dq, param_ndim, seed, slices.top_q_kept_leaves,
+                         grad_scale, grad_bias, axis_name)
 
 
 def l1q_normalize(q: float, dq: float = 0.0, param_ndim: int | None = -1, eps: float = slices.TINY,
@@ -354,7 +353,7 @@ def l1q_normalize(q: float, dq: float = 0.0, param_ndim: int | None = -1, eps: f
     """
     checks.non_negative("eps", eps)
     return _top_q_family("l1q_normalize", L1qState, q, dq, param_ndim, seed,
-                         lambda g, axes, k, split: slices.l1q(g, axes, k, eps, split),
+                         lambda *cut: slices.l1q_leaves(*cut, eps),
                          grad_scale, grad_bias, axis_name)
 
 
@@ -404,9 +403,8 @@ def clamp(clamp_min: float | None = None, clamp_max: float | None = None,
     def update_fn(updates, state, params=None):
         del params
         low, high = slices.bounds_at(state.count, clamp_min, clamp_max)
-        clamped, clipped = slices.clamp_tree(updates, low, high, axis_name)
+        clamped, clipped, finite = slices.clamped_leaves(updates, low, high, axis_name)
         new_state = ClampState(clipped, state.nonfinite, optax.safe_increment(state.count))
-        finite = stats_lib.all_finite(updates, axis_name)
         return norms.float_map(lambda g: _affine(g, grad_scale, grad_bias), clamped), (
             stats_lib.commit(finite, new_state, state))
 

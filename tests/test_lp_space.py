@@ -883,6 +883,83 @@ def test_top_q_keeps_the_first_k_in_stable_order_with_ties_and_nan():
         np.testing.assert_array_equal(traced, expected)
 
 
+def _top_k_oracle(g, k):
+    """The k entries of largest |g| per row (NaN largest, ties to the lowest index), others 0."""
+    magnitude = np.where(np.isnan(g), np.inf, np.abs(g))
+    ranks = np.argsort(np.argsort(-magnitude, axis=-1, kind="stable"), axis=-1, kind="stable")
+    return np.where(ranks < k, g, 0.0)
+
+
+@pytest.mark.parametrize("dq", [0.0, 0.2])
+def test_top_q_ranks_a_tree_of_leaves_together_ties_in_one_leaf_only(dq):
+    """All leaves share one bisection and one tie test: a leaf whose cut-off falls inside a run
+    of equal magnitudes (zero rows, repeated values, ±0, subnormals, huge values) is cut at the
+    lowest indices while a leaf of distinct values next to it keeps exactly its top k (static
+    k with dq=0, k drawn on device with dq>0)."""
+    rng = np.random.default_rng(11)
+    ties = rng.choice([0.0, -0.0, 1.0, -1.0, 2.0, 1e-45, -3e38], (6, 9)).astype(F32)
+    ties[0] = 0.0
+    ties[1] = -3.0
+    grads = {"ties": ties, "distinct": rng.normal(size=(4, 16)).astype(F32),
+             "vector": rng.normal(size=(5,)).astype(F32)}
+    tx = optclip.top_q(0.3, dq=dq, param_ndim=-1, seed=5)
+    step = jax.jit(tx.update)
+    state = tx.init(grads)
+    for _ in range(3):
+        out, state = step(grads, state)
+        for name in ("ties", "distinct"):
+            want = _top_k_oracle(grads[name], int(state.k[name]))
+            np.testing.assert_array_equal(np.asarray(out[name]), want, err_msg=name)
+        # One-element slices (a vector with param_ndim=-1): kept iff k rounds to 1.
+        np.testing.assert_array_equal(out["vector"], grads["vector"] * int(state.k["vector"]))
+
+
+@pytest.mark.parametrize("kind,norm", [("l2", lambda x: np.sqrt(np.sum(x * x))),
+                                       ("l1", lambda x: np.sum(np.abs(x)))])
+def test_normalize_tree_rescues_some_leaves_and_counts_finite_steps(kind, norm):
+    """One step where one leaf's norm underflows and another's plain sum overflows, next to an
+    ordinary leaf: all have unit norm, the logged norms are the true ones, and the step counts
+    as finite (finiteness is not read off an overflowed sum). NaN or inf in any leaf is
+    counted as non-finite and leaves the logged norms as they were."""
+    grads = {"tiny": [1e-30, 0.0, -1e-30], "big": [1e38, -1e38], "plain": G2}
+    grads64 = {k: np.asarray(v, np.float64) for k, v in grads.items()}
+    tx = NORMALIZERS[kind](param_ndim=None)
+    step = jax.jit(tx.update)
+    g = {k: arr(v) for k, v in grads.items()}
+    out, state = step(g, tx.init(g))
+    for name, x in grads64.items():
+        np.testing.assert_allclose(np.asarray(out[name]), x / norm(x), rtol=1e-6, err_msg=name)
+        np.testing.assert_allclose(float(state.norm[name]), norm(x), rtol=1e-6, err_msg=name)
+    assert int(state.nonfinite) == 0
+    for name, bad in (("plain", np.nan), ("big", -np.inf), ("tiny", np.nan)):
+        broken = dict(g, **{name: g[name].at[0].set(bad)})
+        _, after = step(broken, state)
+        assert int(after.nonfinite) == 1, name
+        for leaf in grads:
+            np.testing.assert_array_equal(after.norm[leaf], state.norm[leaf])
+
+
+def test_clamp_flags_and_finiteness_per_leaf():
+    """The per-leaf clipped flag and the finite test come from one sum per leaf: a NaN or an
+    inf anywhere skips the state update (count and flags) while the output is still clamped."""
+    tx = optclip.clamp(-1.0, 1.0)
+    step = jax.jit(tx.update)
+    g = {"a": arr([0.5, 3.0]), "b": arr([0.1, -0.2]), "c": arr([[-4.0, 0.0]])}
+    out, state = step(g, tx.init(g))
+    assert [bool(state.clipped[k]) for k in "abc"] == [True, False, True]
+    assert (int(state.count), int(state.nonfinite)) == (1, 0)
+    np.testing.assert_array_equal(out["a"], [0.5, 1.0])
+    for bad in (np.nan, np.inf, -np.inf):
+        out, after = step(dict(g, b=arr([bad, 0.0])), state)
+        assert (int(after.count), int(after.nonfinite)) == (1, 1), bad
+        assert [bool(after.clipped[k]) for k in "abc"] == [True, False, True]
+        np.testing.assert_array_equal(out["a"], [0.5, 1.0])
+    out, state = step({"a": arr([0.5, 0.0]), "b": arr([2.0, 0.0]), "c": arr([[1.0, -1.0]])},
+                      state)
+    assert [bool(state.clipped[k]) for k in "abc"] == [False, True, False]
+    assert (int(state.count), int(state.nonfinite)) == (2, 0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Per-leaf param_ndim: a pytree matching the parameters, or a callable (path, leaf) -> k.
 

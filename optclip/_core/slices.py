@@ -4,6 +4,7 @@ validation, slice axes, sign and Lp normalization of slices, the top-q mask, cla
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Callable
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optclip._core import axes as axes_lib
-from optclip._core import checks, norms
+from optclip._core import checks, norms, stats
 
 # rai_toolbox's ``div_by_zero_eps`` default: float32's smallest normal number, 2**-126.
 TINY = float(np.finfo(np.float32).tiny)
@@ -95,7 +96,7 @@ def sign(g: jax.Array) -> jax.Array:
 
 
 def normalized(g: jax.Array, ord: float, axes: tuple[int, ...], eps: Any,
-                split: tuple[str, ...] = ()) -> tuple[jax.Array, jax.Array]:
+               split: tuple[str, ...] = ()) -> tuple[jax.Array, jax.Array]:
     """``g / max(||g||, eps)`` per slice, in the wide dtype; returns (output, norm).
 
     The norm is the plain reduction (the reference's formula in the normal range). Where it
@@ -104,30 +105,124 @@ def normalized(g: jax.Array, ord: float, axes: tuple[int, ...], eps: Any,
     finite, the slice is first scaled by a power of two that brings its max-abs into [0.5, 1),
     so the output has unit norm: the reference returns 8.5e7 for [1e-30, 0] and [0, 0] for
     [3e38, 3e38]. A zero slice stays zero in every dtype, also for ``eps=0`` (the
-    reference gives NaN in float16). XLA turns the division by a per-slice value into a
-    multiplication by its reciprocal, so results can differ from the reference by an ulp.
-    ``split``: mesh axes the slices are split over (inside ``shard_map``/``pmap``).
+    reference gives NaN in float16). The output is ``g`` times the reciprocal of the divisor
+    (what XLA makes of a division by a per-slice value), so results can differ from the
+    reference by an ulp. ``split``: mesh axes the slices are split over (inside
+    ``shard_map``/``pmap``). :func:`normalized_leaves` does the same for a list of leaves and
+    reads each leaf only once for the norm on a step where no slice needs the rescaling.
     """
-    wide = g.astype(norms.acc_dtype(g.dtype))
-    norm = norms.slice_norm(wide, ord, axes, split)
-    eps = jnp.asarray(eps).astype(wide.dtype)
-    # float16 is accumulated in float32, where its norms can neither underflow nor overflow.
-    # A zero slice stays zero; dividing it by 1 keeps its derivative finite (0 / eps**2 is NaN).
-    plain = jnp.where(norm == 0, 1, jnp.maximum(norm, eps))
-    if g.dtype == jnp.float16:
-        return wide / plain, norm
-    tiny = float(jnp.finfo(wide.dtype).tiny)
-    low = tiny if ord == 1.0 else math.sqrt(tiny)
+    if not axes:
+        return _elementwise_normalized(g, ord, eps)
+    up, down, norm, _ = _rescued_factors(g, ord, axes, eps, split,
+                                         _plain_norm(g, ord, axes, split))
+    return _wide(g) * up * down, norm
+
+
+def _wide(g: jax.Array) -> jax.Array:
+    return g.astype(norms.acc_dtype(g.dtype))
+
+
+def _divisor(norm: jax.Array, eps: Any) -> jax.Array:
+    """``max(norm, eps)``, and 1 for a zero slice: it stays zero, with a finite derivative
+    (0 / eps**2 is NaN)."""
+    return jnp.where(norm == 0, 1, jnp.maximum(norm, jnp.asarray(eps).astype(norm.dtype)))
+
+
+def _limits(ord: float, dtype) -> tuple[float, float]:
+    """The norms ``[low, high)`` of the wide ``dtype`` that need no rescaling."""
+    tiny = float(jnp.finfo(dtype).tiny)
+    return (tiny if ord == 1.0 else math.sqrt(tiny)), 1 / tiny
+
+
+def _usual(norm: jax.Array, ord: float, dtype) -> jax.Array:
+    """Per slice: the plain norm of a slice of ``dtype`` is finite and needs no rescaling
+    (float16 never does: its squares cannot under- or overflow in float32; an L1 norm is 0
+    only for a zero slice)."""
+    if dtype == jnp.float16:
+        return jnp.isfinite(norm)
+    low, high = _limits(ord, norm.dtype)
+    return ((norm >= low) & (norm < high)) | ((norm == 0) if ord == 1.0 else False)
+
+
+def _rescued_factors(g: jax.Array, ord: float, axes: tuple[int, ...], eps: Any,
+                     split: tuple[str, ...], plain: jax.Array
+                     ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Per slice ``(up, down, norm, finite)`` from the slices' plain norms: the output of
+    :func:`normalized` is ``wide(g) * up * down``. Two more reads: the max-abs, and the norm of
+    every slice scaled by the power of two that brings its max-abs into [0.5, 1), which can
+    neither under- nor overflow, so it is finite exactly when the slice is (XLA:CPU's fast
+    maximum may skip NaN, the sum does not)."""
+    wide = _wide(g)
     biggest = norms.across(jnp.max(jnp.abs(wide), axis=axes, keepdims=True, initial=0), "max",
                            split)
-    rescale = ((norm < low) | (norm >= 1 / tiny)) & (biggest > 0) & jnp.isfinite(biggest)
+    scalable = (biggest > 0) & jnp.isfinite(biggest)
+    rescale = scalable & ~_usual(plain, ord, g.dtype) & (g.dtype != jnp.float16)
     # Scale by 2**-e (exact) in two halves, so that neither factor is subnormal or infinite.
-    shift = jnp.where(rescale, -norms.binary_exponent(biggest), 0)
-    half = norms.pow2(shift >> 1, wide.dtype)
-    unit = wide * half * half * norms.pow2(shift & 1, wide.dtype)
-    denom = jnp.where(rescale, norms.slice_norm(unit, ord, axes, split), plain)
-    out = unit / jnp.where(denom == 0, 1, denom)
-    return out, jnp.where(rescale, norms.ldexp(denom, -shift), norm)
+    shift = jnp.where(scalable, -norms.binary_exponent(biggest), 0)
+    half, rest = norms.pow2(shift >> 1, wide.dtype), norms.pow2(shift - (shift >> 1), wide.dtype)
+    unit = _plain_norm(wide * half * rest, ord, axes, split)
+    denom = jnp.where(rescale, unit, _divisor(plain, eps))
+    up = jnp.where(rescale, half, 1)
+    down = jnp.where(rescale, rest, 1) / jnp.where(denom == 0, 1, denom)
+    norm = jnp.where(rescale, norms.ldexp(unit, -jnp.where(rescale, shift, 0)), plain)
+    return up, down, norm, jnp.isfinite(unit)
+
+
+def _plain_norm(g: jax.Array, ord: float, axes: tuple[int, ...],
+                split: tuple[str, ...]) -> jax.Array:
+    """The L1 or L2 norm of every slice (keepdims) from one plain sum (``inf`` where it
+    overflows, 0 where the squares underflow)."""
+    wide = _wide(g)
+    total = norms.across(jnp.sum(jnp.abs(wide) if ord == 1.0 else wide * wide, axis=axes,
+                                 keepdims=True), "sum", split)
+    return total if ord == 1.0 else norms.safe_sqrt(total)
+
+
+def _elementwise_normalized(g: jax.Array, ord: float, eps: Any) -> tuple[jax.Array, jax.Array]:
+    """:func:`normalized` of one-element slices: ``g / max(|g|, eps)``, ``sign(g)`` where the
+    reciprocal of ``|g|`` is out of range; the norm is ``|g|``."""
+    wide = _wide(g)
+    norm = jnp.abs(wide)
+    rescale = ~_usual(norm, ord, g.dtype) & (norm > 0) & jnp.isfinite(norm)
+    return jnp.where(rescale, jnp.sign(wide), wide / _divisor(norm, eps)), norm
+
+
+def normalized_leaves(leaves: list, cut: Slicing, ord: float, eps: Any,
+                      axis_name: norms.AxisName) -> tuple[list, list, jax.Array]:
+    """:func:`normalized` of every float leaf cut by ``cut``; returns (outputs in the wide dtype,
+    norms keepdims, whether every element of every float leaf is finite on every device).
+
+    Each leaf is read once, for one plain sum per slice (one-element slices need none). Only
+    when some slice's plain norm is zero (L2), non-finite or out of the range where its
+    reciprocal is exact (one scalar test for all leaves, ``lax.cond``) are the rescaled
+    divisors and the finiteness computed again exactly, as :func:`normalized` does; otherwise
+    every norm is finite, and so is every element. The scaling itself is elementwise outside
+    the ``cond``, so XLA can fuse it into the next transform.
+    """
+    reduced = [i for i, axes in enumerate(cut.axes) if axes]
+    plain = [_plain_norm(leaves[i], ord, cut.axes[i], cut.split[i]) for i in reduced]
+    odd = [jnp.any(~_usual(n, ord, leaves[i].dtype)) for i, n in zip(reduced, plain)]
+    rare = norms.any_true(jnp.any(norms.gather_scalars(odd)) if odd else jnp.asarray(False),
+                          axis_name)
+
+    def usual():
+        return [(jnp.ones_like(n), 1 / _divisor(n, eps), n) for n in plain], jnp.asarray(True)
+
+    def exact():
+        factors = [_rescued_factors(leaves[i], ord, cut.axes[i], eps, cut.split[i], n)
+                   for i, n in zip(reduced, plain)]
+        finite = stats.all_of([jnp.all(f[3]) for f in factors], axis_name)
+        return [f[:3] for f in factors], finite
+
+    factors, finite = jax.lax.cond(rare, exact, usual)
+    outputs, measured = [None] * len(leaves), [None] * len(leaves)
+    for i, (up, down, norm) in zip(reduced, factors):
+        outputs[i], measured[i] = _wide(leaves[i]) * up * down, norm
+    elementwise = [i for i, axes in enumerate(cut.axes) if axes == ()]
+    for i in elementwise:
+        outputs[i], measured[i] = _elementwise_normalized(leaves[i], ord, eps)
+    others = stats.all_of([stats.leaf_finite(leaves[i]) for i in elementwise], axis_name)
+    return outputs, measured, finite & others
 
 
 def explicit_sharding(x: jax.Array):
@@ -165,38 +260,115 @@ def slice_mask(mask: jax.Array, like: jax.Array) -> jax.Array:
     return mask if sharding is None else jax.sharding.reshard(mask, sharding)
 
 
-def top_k_mask(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array) -> jax.Array:
-    """Whether each entry is among the ``k`` largest ``|g|`` of its slice, shape ``(*batch, D)``.
+def top_k_masks(rows: list, ks: list) -> list:
+    """For each ``(*batch, D)`` array of ``rows``, whether each entry is among the ``k`` largest
+    ``|g|`` of its row (``k`` from ``ks``, a Python int or an int32 scalar).
 
     Stable: ties go to the lowest index first (torch.topk breaks them arbitrarily);
-    NaN ranks as the largest (it is kept, as in the reference). One sort of
-    ``(-|g|, index)`` per slice finds the ``k``-th entry; an entry is kept when it comes before
-    it in that order (no second sort to rank every entry).
+    NaN ranks as the largest (it is kept, as in the reference). No sort (XLA:CPU sorts and
+    ``top_k`` with a large ``k`` are slow): the ``k``-th largest magnitude of every row is
+    found by a bisection on the bits of ``|g|``, one count per row and round
+    (:func:`_largest`), and the entries above it are kept, and those equal to it up to a cut
+    index. That index is the row's end unless some row holds more entries equal to it than
+    it may keep (one scalar test for all arrays, ``lax.cond``); only then is it found by a
+    second bisection, on the index. One loop and one test for all arrays: XLA compiles one
+    ``while`` and one ``cond``, not one per leaf.
     """
-    magnitude = _ranked_magnitude(slice_rows(g, axes))
-    if magnitude.shape[-1] == 0:
-        return jnp.zeros(magnitude.shape, bool)
-    # Built from a zeros_like so that it carries the slices' sharding under an explicit mesh.
-    index = jnp.zeros_like(magnitude, jnp.int32) + jnp.arange(magnitude.shape[-1],
-                                                               dtype=jnp.int32)
-    if isinstance(k, int) and 0 < k < magnitude.shape[-1]:
-        # top_k orders equal values by index too, and needs no full sort.
-        values, order = jax.lax.top_k(magnitude, k)
-        last, last_index = values[..., -1:], order[..., -1:]
-    else:
-        keys, order = jax.lax.sort((-magnitude, index), dimension=magnitude.ndim - 1,
-                                   num_keys=2)
-        at = jnp.clip(jnp.asarray(k) - 1, 0, magnitude.shape[-1] - 1)
-        last = -jax.lax.dynamic_index_in_dim(keys, at, axis=-1)
-        last_index = jax.lax.dynamic_index_in_dim(order, at, axis=-1)
-    keep = (magnitude > last) | ((magnitude == last) & (index <= last_index))
-    return keep & (k > 0)
+    ranked = [i for i, r in enumerate(rows) if r.shape[-1] > 0]
+    bits = [_magnitude_bits(rows[i]) for i in ranked]
+    ks = [jnp.asarray(ks[i], jnp.int32) for i in ranked]
+    # Per-row values built from the data carry its sharding under an explicit mesh.
+    zeros = [jnp.zeros_like(b[..., :1]) for b in bits]
+    sizes = [b.shape[-1] for b in bits]
+    every = [(z + n).astype(_count_dtype(n)) for z, n in zip(zeros, sizes)]
+    tops = [int(np.asarray(np.inf, _float_of(b)).view(b.dtype)) + 1 for b in bits]
+    # The largest bit pattern with at least k entries at or above it: the k-th largest.
+    kth, at_least = _largest(zeros, tops, [functools.partial(_at_or_above, b) for b in bits],
+                             ks, every)
+    exact = [jnp.all(a == k.astype(a.dtype)) for a, k in zip(at_least, ks)]
+
+    def row_ends():
+        return [z.astype(jnp.int32) + n - 1 for z, n in zip(zeros, sizes)]
+
+    def cut_ties():
+        # Per row the last index with fewer than `wanted` ties before it: the last tie kept.
+        ties = [b == t for b, t in zip(bits, kth)]
+        wanted = [1 - k + _row_count(b > t).astype(jnp.int32)
+                  for b, t, k in zip(bits, kth, ks)]
+        counts = [functools.partial(_ties_before, t, _row_index(t)) for t in ties]
+        return _largest([z.astype(jnp.int32) for z in zeros], [n + 1 for n in sizes], counts,
+                        wanted, [e * 0 for e in every])[0]
+
+    last = jax.lax.cond(jnp.all(norms.gather_scalars(exact)), row_ends,
+                        cut_ties) if ranked else []
+    masks = [jnp.zeros(r.shape, bool) for r in rows]
+    for j, i in enumerate(ranked):
+        b, t = bits[j], kth[j]
+        masks[i] = ((b > t) | ((b == t) & (_row_index(b) <= last[j]))) & (ks[j] > 0)
+    return masks
 
 
-def _ranked_magnitude(g: jax.Array) -> jax.Array:
-    """``|g|`` with NaN ranked as the largest (``inf``)."""
-    magnitude = jnp.abs(g)
-    return jnp.where(jnp.isnan(magnitude), jnp.inf, magnitude)
+def _row_index(x: jax.Array) -> jax.Array:
+    """The index of every entry along the last axis (built from ``x``: its sharding)."""
+    return jnp.zeros_like(x, jnp.int32) + jnp.arange(x.shape[-1], dtype=jnp.int32)
+
+
+def _at_or_above(bits: jax.Array, value: jax.Array) -> jax.Array:
+    return _row_count(bits >= value)
+
+
+def _ties_before(ties: jax.Array, index: jax.Array, end: jax.Array) -> jax.Array:
+    return -_row_count(ties & (index < end))
+
+
+def _float_of(bits: jax.Array):
+    return np.float64 if bits.dtype == jnp.int64 else np.float32
+
+
+def _magnitude_bits(g: jax.Array) -> jax.Array:
+    """The bits of ``|g|`` (NaN ranked as the largest, ``inf``) in the accumulation dtype, as
+    signed integers: non-negative floats order like their bit patterns."""
+    magnitude = jnp.abs(g.astype(norms.acc_dtype(g.dtype)))
+    magnitude = jnp.where(jnp.isnan(magnitude), jnp.inf, magnitude)
+    return jax.lax.bitcast_convert_type(magnitude, norms.int_type(magnitude.dtype))
+
+
+def _row_count(flags: jax.Array) -> jax.Array:
+    """How many ``flags`` are set along the last axis (keepdims): summed in float32 (exact up to
+    2**24, and XLA:CPU adds floats about twice as fast as integers), int32 for longer rows."""
+    return jnp.sum(flags, axis=-1, keepdims=True, dtype=_count_dtype(flags.shape[-1]))
+
+
+def _count_dtype(size: int) -> jnp.dtype:
+    return jnp.dtype(jnp.float32 if size <= 1 << 24 else jnp.int32)
+
+
+def _largest(lows: list, widths: list, counts: list, wanted: list, counted: list
+             ) -> tuple[list, list]:
+    """Per row of every array, the largest ``v`` in ``[low, low + width)`` with
+    ``count(v) >= wanted``, and that count, by bisection: each ``count`` must fall as ``v``
+    grows, and ``counted = count(low)`` must reach ``wanted``. ``ceil(log2(width))`` rounds of
+    one ``count`` each, in one loop per number of rounds; round ``r`` tries adding the bit
+    ``2**(rounds - 1 - r)`` to ``v`` (a scalar step: no per-row division)."""
+    rounds = [(w - 1).bit_length() for w in widths]
+    found, found_count = list(lows), list(counted)
+    for n in sorted(set(rounds)):
+        group = [i for i, r in enumerate(rounds) if r == n]
+
+        def grow(r, carry, group=group, n=n):
+            out = []
+            for i, (low, best) in zip(group, carry):
+                middle = low + jnp.left_shift(jnp.asarray(1, low.dtype),
+                                              (n - 1 - r).astype(low.dtype))
+                at_middle = counts[i](middle)
+                enough = at_middle >= jnp.asarray(wanted[i]).astype(at_middle.dtype)
+                out.append((jnp.where(enough, middle, low), jnp.where(enough, at_middle, best)))
+            return out
+
+        start = [(lows[i], counted[i]) for i in group]
+        for i, (low, best) in zip(group, jax.lax.fori_loop(0, n, grow, start)):
+            found[i], found_count[i] = low, best
+    return found, found_count
 
 
 def keep_top_k(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array,
@@ -209,7 +381,7 @@ def keep_top_k(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array,
     """
     if split:
         return split_top_k(g, axes, k, split)
-    return slice_mask(top_k_mask(g, axes, k), g)
+    return slice_mask(top_k_masks([slice_rows(g, axes)], [k])[0], g)
 
 
 def _count(flags: jax.Array, axes: tuple[int, ...], split: tuple[str, ...]) -> jax.Array:
@@ -230,10 +402,9 @@ def split_top_k(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array,
     slice's leading axis (as an FSDP layout does). ``axes`` are trailing (as ``param_ndim``
     gives them).
     """
-    magnitude = _ranked_magnitude(g.astype(norms.acc_dtype(g.dtype)))
-    bits = jax.lax.bitcast_convert_type(magnitude, norms.int_type(magnitude.dtype))
+    bits = _magnitude_bits(g)
     k = jnp.asarray(k, jnp.int32)
-    top = int(np.asarray(np.inf, magnitude.dtype).view(bits.dtype)) + 1
+    top = int(np.asarray(np.inf, _float_of(bits)).view(bits.dtype)) + 1
 
     def halve(_, bounds):
         low, high = bounds
@@ -271,20 +442,53 @@ def top_q_kept(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array,
                split: tuple[str, ...] = ()) -> jax.Array:
     """``g`` with all but the ``k`` largest-``|g|`` entries of every slice set to zero
     (slices split over the mesh axes ``split``, as in :func:`keep_top_k`)."""
-    size = axes_lib.slice_size(g.shape, axes) * norms.axes_size(split)
-    if isinstance(k, int):
-        if k <= 0:
-            return jnp.zeros_like(g)
-        if k >= size:
-            return g
-    return jnp.where(keep_top_k(g, axes, k, split), g, jnp.zeros_like(g))
+    return top_q_kept_leaves([g], [axes], [k], [split])[0]
+
+
+def top_q_kept_leaves(leaves: list, axes_of: list, k_of: list, split_of: list) -> list:
+    """:func:`top_q_kept` of every leaf (``None`` axes: the leaf is returned as it is); the
+    slices that lie whole on each device are ranked together (:func:`top_k_masks`)."""
+    out = list(leaves)
+    local = []
+    for i, (g, axes, k, split) in enumerate(zip(leaves, axes_of, k_of, split_of, strict=True)):
+        if axes is None:
+            continue
+        size = axes_lib.slice_size(g.shape, axes) * norms.axes_size(split)
+        if isinstance(k, int) and k <= 0:
+            out[i] = jnp.zeros_like(g)
+        elif isinstance(k, int) and k >= size:
+            out[i] = g
+        elif split:
+            out[i] = jnp.where(split_top_k(g, axes, k, split), g, jnp.zeros_like(g))
+        else:
+            local.append(i)
+    masks = top_k_masks([slice_rows(leaves[i], axes_of[i]) for i in local],
+                        [k_of[i] for i in local])
+    for i, mask in zip(local, masks):
+        out[i] = jnp.where(slice_mask(mask, leaves[i]), leaves[i], jnp.zeros_like(leaves[i]))
+    return out
 
 
 def l1q(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array, eps: Any,
         split: tuple[str, ...] = ()) -> jax.Array:
-    """Top-k, sign, L1-normalize: ``±1/c`` on the ``c`` non-zero kept entries."""
-    signs = sign(top_q_kept(g, axes, k, split))
-    return normalized(signs, 1.0, axes, eps, split)[0].astype(g.dtype)
+    """Top-k, sign, L1-normalize: ``±1/c`` on the ``c`` non-zero kept entries (:func:`normalized`
+    of the signs, whose L1 norm ``c`` is an exact count: never rescaled)."""
+    return l1q_leaves([g], [axes], [k], [split], eps)[0]
+
+
+def l1q_leaves(leaves: list, axes_of: list, k_of: list, split_of: list, eps: Any) -> list:
+    """:func:`l1q` of every leaf (``None`` axes: returned as it is), ranked together as in
+    :func:`top_q_kept_leaves`."""
+    kept = top_q_kept_leaves(leaves, axes_of, k_of, split_of)
+    return [g if axes is None else _signs_over_count(x, axes, split, eps).astype(g.dtype)
+            for g, x, axes, split in zip(leaves, kept, axes_of, split_of, strict=True)]
+
+
+def _signs_over_count(kept: jax.Array, axes: tuple[int, ...], split: tuple[str, ...],
+                      eps: Any) -> jax.Array:
+    signs = _wide(sign(kept))
+    count = norms.across(jnp.sum(jnp.abs(signs), axis=axes, keepdims=True), "sum", split)
+    return signs / _divisor(count, eps)
 
 
 def logged_q(q: Any, leaf: jax.Array) -> jax.Array:
@@ -352,6 +556,24 @@ def clamp_tree(tree: Any, low: Any, high: Any, axis_name: norms.AxisName
         lambda x, c: norms.any_true(jnp.any(x != c), axis_name) if norms.is_float(x) else None,
         tree, clamped)
     return clamped, moved
+
+
+def clamped_leaves(tree: Any, low: Any, high: Any, axis_name: norms.AxisName
+                   ) -> tuple[Any, Any, jax.Array]:
+    """``(clip(tree, low, high), moved, finite)``: :func:`clamp_tree` that also tells whether
+    every float element is finite (on every device along ``axis_name``), from the same single
+    read of each leaf: ``Σ (moved + x * 0)`` is NaN exactly when some element is not finite
+    (``x * 0`` is NaN for NaN and ±Inf), and otherwise counts the moved elements. ``moved``
+    is only meaningful on a finite step (where it is not, the step is not committed)."""
+    def leaf_sum(x):
+        moved = (x != clip(x, low, high)).astype(x.dtype)
+        return jnp.sum(moved + x * jnp.zeros((), x.dtype), dtype=norms.acc_dtype(x.dtype))
+
+    sums = norms.float_map(leaf_sum, tree)
+    moved = jax.tree.map(lambda x, s: norms.any_true(s > 0, axis_name)
+                         if norms.is_float(x) else None, tree, sums)
+    finite = stats.all_of([jnp.isfinite(s) for s in norms.float_leaves(sums)], axis_name)
+    return norms.float_map(lambda x: clip(x, low, high), tree), moved, finite
 
 
 def clip(x: jax.Array, low: Any, high: Any) -> jax.Array:
