@@ -45,15 +45,21 @@ class L1qFrankWolfeState(NamedTuple):
 
 
 def _l1_lmo(g: jax.Array, axes: tuple[int, ...], split: tuple[str, ...], k: Any) -> jax.Array:
-    """One-hot ``sign(g_i*) e_i*`` at the first largest ``|g|`` of every flattened slice (the
-    top-1 entry, found as :func:`top_q`'s ranking finds it, also for slices split over devices).
+    """One-hot ``sign(g_i*) e_i*`` at the first largest ``|g|`` of every flattened slice (NaN
+    ranks as the largest, as in ``torch.argmax``).
 
-    rai_toolbox 0.2.1 takes the argmax along the first reduced axis only, which is wrong for
-    slices of two or more axes.
+    One ``argmax`` per slice: a single pass over the leaf. Slices split over devices use
+    :func:`top_q`'s exact ranking of the whole slice instead. rai_toolbox 0.2.1 takes the
+    argmax along the first reduced axis only, which is wrong for slices of two or more axes.
     """
     if axes_lib.slice_size(g.shape, axes) * norms.axes_size(split) <= 1:
         return slices.sign(g)
-    return slices.sign(slices.top_q_kept(g, axes, 1, split))
+    if split:
+        return slices.sign(slices.top_q_kept(g, axes, 1, split))
+    rows = slices.slice_rows(g, axes)
+    first = jnp.argmax(jnp.abs(rows), axis=-1, keepdims=True)
+    onehot = jax.lax.broadcasted_iota(jnp.int32, rows.shape, rows.ndim - 1) == first
+    return jnp.where(slices.slice_mask(onehot, g), slices.sign(g), jnp.zeros_like(g))
 
 
 def _fw_coefficients(count: jax.Array, learning_rate: Any, scaling: Any, schedule: bool,
@@ -143,8 +149,8 @@ def _frank_wolfe(name: str, lmo, scaling: Any, learning_rate: Any, schedule: boo
             new_state = L1qFrankWolfeState(*head, key, treedef.unflatten(q_of),
                                            treedef.unflatten(slices.k_arrays(k_of)),
                                            state.nonfinite)
-        new_updates = _fw_leaves(updates, params, lmo, cut, k_of, a, b)
         finite = stats_lib.all_finite(updates, axis_name)
+        new_updates = _fw_leaves(updates, params, lmo, cut, k_of, *stats_lib.after(finite, (a, b)))
         return new_updates, stats_lib.commit(finite, new_state, state)
 
     return checks.transformation(init_fn, update_fn)
