@@ -57,8 +57,9 @@ def _projection(name: str, measure, apply, state_cls: type, limits, axis_name: n
                 ) -> optax.GradientTransformation:
     """A post-step projection of ``x = params + u``.
 
-    ``measure(x, at) -> (diagnostic trees, per-leaf finiteness flags, measured)`` holds every
-    reduction over ``x`` (the finiteness of the step is read off the same pass);
+    ``measure(build, at) -> (diagnostic trees, per-leaf finiteness flags, measured)`` holds
+    every reduction over ``x = build()`` (the finiteness of the step is read off the same pass;
+    a rarely taken branch rebuilds ``x`` instead of having it written out);
     ``apply(x, at, measured) -> P(x)`` is elementwise. ``limits(count)`` resolves the
     float-or-schedule radius or bounds ``at`` at the count of finite steps.
     """
@@ -66,18 +67,26 @@ def _projection(name: str, measure, apply, state_cls: type, limits, axis_name: n
 
     def init_fn(params):
         zero = jnp.zeros([], jnp.int32)
-        diag = stats_lib.zeros_like_params(lambda p: tuple(measure(p, limits(zero))[0]), params)
+        diag = stats_lib.zeros_like_params(
+            lambda p: tuple(measure(lambda for_reduction=False: p, limits(zero))[0]), params)
         return state_cls(*diag, zero, jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
         slices.require_params(params, name)
-        targets = jax.tree.map(lambda u, p: (p + u).astype(p.dtype) if norms.is_float(u) else p,
-                               updates, params)
+        def build(for_reduction=False):
+            # ``u - (-p)`` is ``p + u`` exactly, written differently: XLA would otherwise share
+            # one sum between the reductions and the update and write it out (a temporary the
+            # size of the leaf); as two expressions, each is fused into its own pass.
+            def target(u, p):
+                return (u - (-p) if for_reduction else p + u).astype(p.dtype)
+            return jax.tree.map(lambda u, p: target(u, p) if norms.is_float(u) else p,
+                                updates, params)
+
         at = limits(state.count)
-        diag, flags, measured = measure(targets, at)
+        diag, flags, measured = measure(build, at)
         finite = stats_lib.all_of(flags, axis_name)
         # The updates wait for the check: no copy of the donated updates buffers for it.
-        projected = apply(targets, stats_lib.after(finite, at), measured)
+        projected = apply(build(), stats_lib.after(finite, at), measured)
         new_updates = jax.tree.map(
             lambda u, px, p: (px - p).astype(u.dtype) if norms.is_float(u) else u,
             updates, projected, params)
@@ -100,9 +109,9 @@ def _plain_norm(x: jax.Array, axes: tuple[int, ...] | None, split: tuple[str, ..
                                         "sum", split))
 
 
-def _slice_norms(leaves: list, cut: slices.Slicing, axis_name: norms.AxisName
-                 ) -> tuple[list, list]:
-    """``(norm of every slice, finiteness flag)`` per leaf (``None`` for non-float leaves).
+def _slice_norms(build, cut: slices.Slicing, axis_name: norms.AxisName) -> tuple[list, list]:
+    """``(norm of every slice, finiteness flag)`` per leaf of ``build()`` (``None`` for
+    non-float leaves).
 
     One read of each leaf: the plain sums of squares. Only where some norm came out infinite
     or NaN (a sum of squares overflowed, or the step is not finite: one scalar test for the
@@ -110,14 +119,14 @@ def _slice_norms(leaves: list, cut: slices.Slicing, axis_name: norms.AxisName
     when its slice is, so the flags need no pass over the leaves.
     """
     plain = [_plain_norm(x, axes, split) for x, axes, split in
-             zip(leaves, cut.axes, cut.split, strict=True)]
+             zip(build(), cut.axes, cut.split, strict=True)]
     sums = [stats_lib.leaf_finite(n) for n in plain if n is not None]
     clean = norms.all_true(jnp.all(norms.gather_scalars(sums)) if sums else jnp.asarray(True),
                            axis_name)
 
     def exact():
         again = [n if n is None or not axes else norms.slice_norm(x, 2.0, axes, split)
-                 for x, n, axes, split in zip(leaves, plain, cut.axes, cut.split, strict=True)]
+                 for x, n, axes, split in zip(build(), plain, cut.axes, cut.split, strict=True)]
         return again, [stats_lib.leaf_finite(n) for n in again if n is not None]
 
     return jax.lax.cond(clean, lambda: (plain, sums), exact)
@@ -180,10 +189,11 @@ def project_l2_ball(epsilon: float, param_ndim: int | None = -1, *, exact: bool 
     checks.boolean("exact", exact)
     renorm_eps = 0.0 if exact else RENORM_EPS
 
-    def measure(targets, radius):
+    def measure(build, radius):
+        targets = build()
         leaves, treedef = jax.tree.flatten(targets)
         cut = slices.slicing(leaves, targets, param_ndim, axis_name)
-        measured, flags = _slice_norms(leaves, cut, axis_name)
+        measured, flags = _slice_norms(lambda: jax.tree.leaves(build(True)), cut, axis_name)
         squeezed = [None if n is None else jnp.squeeze(n, axis=axes) for n, axes in
                     zip(measured, cut.axes, strict=True)]
         outside = [None if n is None else n > jnp.asarray(radius).astype(n.dtype)
@@ -207,7 +217,8 @@ def _box_projection(name: str, state_cls: type, bounds, axis_name: norms.AxisNam
                     ) -> optax.GradientTransformation:
     """``clip(x, low, high)`` with ``bounds(count) -> (low, high)`` (``None``: unbounded)."""
 
-    def measure(targets, at):
+    def measure(build, at):
+        targets = build(True)
         excess = [_excess(x, *at) if norms.is_float(x) else None
                   for x in jax.tree.leaves(targets)]
         moved = [None if e is None else norms.any_true(e != 0, axis_name) for e in excess]
