@@ -115,8 +115,8 @@ def _slice_norms(build, cut: slices.Slicing, axis_name: norms.AxisName) -> tuple
 
     One read of each leaf: the plain sums of squares. Only where some norm came out infinite
     or NaN (a sum of squares overflowed, or the step is not finite: one scalar test for the
-    whole tree) are the norms measured again, scale-safe; a scale-safe norm is finite exactly
-    when its slice is, so the flags need no pass over the leaves.
+    whole tree) are the norms measured again, scale-safe, and the leaves checked for NaN/Inf;
+    otherwise every norm is finite and so is every leaf, and the flags need no pass of their own.
     """
     plain = [_plain_norm(x, axes, split) for x, axes, split in
              zip(build(), cut.axes, cut.split, strict=True)]
@@ -125,9 +125,11 @@ def _slice_norms(build, cut: slices.Slicing, axis_name: norms.AxisName) -> tuple
                            axis_name)
 
     def exact():
+        leaves = build()
         again = [n if n is None or not axes else norms.slice_norm(x, 2.0, axes, split)
-                 for x, n, axes, split in zip(build(), plain, cut.axes, cut.split, strict=True)]
-        return again, [stats_lib.leaf_finite(n) for n in again if n is not None]
+                 for x, n, axes, split in zip(leaves, plain, cut.axes, cut.split, strict=True)]
+        # From the leaves: the norm of a finite slice can overflow.
+        return again, [stats_lib.leaf_finite(x) for x, n in zip(leaves, again) if n is not None]
 
     return jax.lax.cond(clean, lambda: (plain, sums), exact)
 

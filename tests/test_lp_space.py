@@ -424,6 +424,39 @@ def test_l2_frank_wolfe_lr_one_schedule():
     np.testing.assert_allclose(got[2], np.asarray(FW_THREE_STEPS["l2-whole"][1][2], F32), **TOL)
 
 
+def test_project_l2_ball_rows_whose_sum_of_squares_overflows():
+    """A finite row whose plain sum of squares overflows is projected onto the
+    ball, and the step counts as finite; a row with inf does not."""
+    tx = optclip.project_l2_ball(1.0)
+    x = {"a": np.array([[1e30, 1e30], [0.3, 0.4]], F32), "b": np.array([[0.0, 2.0]], F32)}
+    zeros = jax.tree.map(jnp.zeros_like, x)
+    u, state = tx.update(x, tx.init(zeros), zeros)
+    np.testing.assert_allclose(u["a"], [[0.70710677, 0.70710677], [0.3, 0.4]], **TOL)
+    np.testing.assert_allclose(u["b"], [[0.0, 1.0]], **TOL)
+    assert int(state.nonfinite) == 0 and int(state.count) == 1
+    assert state.projected["a"].tolist() == [True, False]
+    bad = {"a": x["a"], "b": np.array([[np.inf, 0.0]], F32)}
+    _, state = tx.update(bad, state, zeros)
+    assert int(state.nonfinite) == 1 and int(state.count) == 1
+
+
+def test_l2_frank_wolfe_direction_has_unit_norm_for_tiny_huge_and_zero_rows():
+    """Rows whose plain sum of squares underflows or overflows take the rare exact branch,
+    also when only one leaf of the tree has such a row; the other rows are unaffected."""
+    rare = np.array([[1e-30, 0, 0], [3e38, 3e38, 0], [0, 0, 0], [3, 4, 0]], F32)
+    plain = np.array([[0, 0, 2], [1, 0, 0]], F32)
+    want_rare = [[1, 0, 0], [0.70710677, 0.70710677, 0], [0, 0, 0], [0.6, 0.8, 0]]
+    want_plain = [[0, 0, 1], [1, 0, 0]]
+    tx = optclip.l2_frank_wolfe(1.0)     # alpha_0 = 1: p_new = -direction
+    for grads, wants in (({"a": rare, "b": plain}, (want_rare, want_plain)),
+                         ({"b": plain}, (want_plain,))):
+        params = jax.tree.map(jnp.zeros_like, grads)
+        u, state = tx.update(grads, tx.init(params), params)
+        for got, want in zip(jax.tree.leaves(u), wants, strict=True):
+            np.testing.assert_allclose(got, -np.asarray(want, F32), **TOL)
+        assert int(state.nonfinite) == 0 and int(state.count) == 1
+
+
 @pytest.mark.parametrize("param_ndim,want", [
     (-1, [[-2, 2, -2], [-0.666666687, 0.666666687, -0.666666687]]),   # 1-D: the L∞ LMO (S1)
     (None, [[0, 2, 0], [0, 0.666666687, 0]]),
