@@ -46,20 +46,83 @@ class L1qFrankWolfeState(NamedTuple):
 
 def _l1_lmo(g: jax.Array, axes: tuple[int, ...], split: tuple[str, ...], k: Any) -> jax.Array:
     """One-hot ``sign(g_i*) e_i*`` at the first largest ``|g|`` of every flattened slice (NaN
-    ranks as the largest, as in ``torch.argmax``).
+    ranks as the largest, as in ``torch.argmax``), from ``k = (largest, first)`` of
+    :func:`_l1_measure`: where ``first`` is -1 the largest magnitude is unique (or the slice is
+    zero) and the one-hot is ``|g| == largest``, else it is the flat index ``first``.
 
-    One ``argmax`` per slice: a single pass over the leaf. Slices split over devices use
-    :func:`top_q`'s exact ranking of the whole slice instead. rai_toolbox 0.2.1 takes the
-    argmax along the first reduced axis only, which is wrong for slices of two or more axes.
+    Slices split over devices (``k`` is ``None``) use :func:`top_q`'s exact ranking of the whole
+    slice. rai_toolbox 0.2.1 takes the argmax along the first reduced axis only, which is wrong
+    for slices of two or more axes.
     """
     if axes_lib.slice_size(g.shape, axes) * norms.axes_size(split) <= 1:
         return slices.sign(g)
-    if split:
+    if k is None:
         return slices.sign(slices.top_q_kept(g, axes, 1, split))
-    rows = slices.slice_rows(g, axes)
-    first = jnp.argmax(jnp.abs(rows), axis=-1, keepdims=True)
-    onehot = jax.lax.broadcasted_iota(jnp.int32, rows.shape, rows.ndim - 1) == first
-    return jnp.where(slices.slice_mask(onehot, g), slices.sign(g), jnp.zeros_like(g))
+    largest, first = k
+    wide = g.astype(largest.dtype)
+    hit = jnp.where(first < 0, (wide == largest) | (wide == -largest),
+                    _flat_index(g.shape, axes) == first)
+    return jnp.where(hit, slices.sign(g), jnp.zeros_like(g))
+
+
+def _flat_index(shape: tuple[int, ...], axes: tuple[int, ...]) -> jax.Array:
+    """Every element's index in its flattened (row-major) slice."""
+    index, stride = jnp.zeros(shape, jnp.int32), 1
+    for axis in reversed(axes):
+        index = index + jax.lax.broadcasted_iota(jnp.int32, shape, axis) * stride
+        stride *= shape[axis]
+    return index
+
+
+def _tied_maxima(wide: jax.Array, largest: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+    """Per slice, how many entries beyond one equal ``largest`` (0 for a zero slice; NaN where
+    the slice holds NaN or Inf). Arithmetic only, so XLA:CPU fuses it into one read: a
+    difference of at least the smallest normal number times the largest finite one is >= 1.
+    (``max(x, -x)``, not ``|x|``: a magnitude shared with the other reduction would be written
+    out for both.)"""
+    gap = jnp.minimum((largest - jnp.maximum(wide, -wide)) * jnp.finfo(wide.dtype).max, 1)
+    extra = jnp.sum(1 - gap, axis=axes, keepdims=True) - 1
+    return jnp.where(largest == 0, 0, extra)
+
+
+def _l1_measure(leaves: list, cut: slices.Slicing, axis_name: norms.AxisName
+                ) -> tuple[list, list]:
+    """Per leaf ``k = (largest, first)`` for :func:`_l1_lmo` and the finiteness flag.
+
+    Two reductions per leaf that XLA fuses into reads of ``g``: the largest ``|g|`` of every
+    slice, and whether it is unique. Only where some slice has tied maxima or is not finite (one
+    scalar ``lax.cond`` for the tree) is the first index found by an ``argmax`` (a slower,
+    sequential pass). Slices split over devices and one-element slices keep their own path.
+    """
+    k_of: list = [None] * len(leaves)
+    flags, clean_flags, fast = [], [], []
+    for i, (g, axes, split) in enumerate(zip(leaves, cut.axes, cut.split, strict=True)):
+        if axes is None:
+            continue
+        if split or axes_lib.slice_size(g.shape, axes) <= 1:
+            flags.append(stats_lib.leaf_finite(g))
+            continue
+        wide = g.astype(norms.acc_dtype(g.dtype))
+        largest = jnp.max(jnp.abs(wide), axis=axes, keepdims=True)
+        ties = jnp.sum(_tied_maxima(wide, largest, axes))
+        flags.append(~jnp.isnan(ties))
+        clean_flags.append(ties == 0)
+        fast.append((i, g, axes, largest))
+    if not fast:
+        return k_of, flags
+    clean = norms.all_true(jnp.all(norms.gather_scalars(clean_flags)), axis_name)
+
+    def first_index():
+        def first(g, axes, shape):
+            rows = slices.slice_rows(g, axes)
+            return jnp.argmax(jnp.maximum(rows, -rows), axis=-1).astype(jnp.int32).reshape(shape)
+        return tuple(first(g, axes, largest.shape) for _, g, axes, largest in fast)
+
+    unique = tuple(jnp.full(largest.shape, -1, jnp.int32) for *_, largest in fast)
+    firsts = jax.lax.cond(clean, lambda: unique, first_index)
+    for (i, *_, largest), first in zip(fast, firsts, strict=True):
+        k_of[i] = (largest, first)
+    return k_of, flags
 
 
 def _fw_coefficients(count: jax.Array, learning_rate: Any, scaling: Any, schedule: bool,
@@ -125,25 +188,28 @@ def _plain_denominator(norm: jax.Array, eps: Any) -> jax.Array:
     return jnp.where(norm == 0, 1, jnp.maximum(norm, jnp.asarray(eps).astype(norm.dtype)))
 
 
-def _exact_l2(g: jax.Array, axes: tuple[int, ...], split: tuple[str, ...], eps: Any
-              ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
-    """``((shift, denom), finite)`` of every slice as :func:`l2_normalize` forms them: a
-    scale-safe norm, and where it underflows or its reciprocal would be subnormal, the slice
-    scaled by a power of two that brings its largest magnitude into ``[0.5, 1)``."""
+def _exact_l2(g: jax.Array, axes: tuple[int, ...], split: tuple[str, ...], eps: Any,
+              sums: jax.Array, biggest: jax.Array) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+    """``((shift, denom), finite)`` of every slice as :func:`l2_normalize` forms them, from the
+    plain ``sums`` of squares and ``biggest`` magnitudes: the norm measured on the slice scaled
+    by the power of two that brings its largest magnitude into ``[0.5, 1)`` (one more read; no
+    under- or overflow), and that scaled slice divided by its norm where the norm underflows or
+    its reciprocal would be subnormal."""
     wide = g.astype(norms.acc_dtype(g.dtype))
-    norm = norms.slice_norm(wide, 2.0, axes, split)
-    plain = _plain_denominator(norm, eps)
-    finite = stats_lib.leaf_finite(g)   # (a finite slice's norm can overflow)
+    finite = jnp.all(~jnp.isnan(sums) & jnp.isfinite(biggest))
+    measurable = (biggest > 0) & jnp.isfinite(biggest)
     if g.dtype == jnp.float16:   # float32 sums of float16 squares neither under- nor overflow
-        return (jnp.zeros(norm.shape, jnp.int32), plain), finite
+        return (jnp.zeros(sums.shape, jnp.int32),
+                _plain_denominator(norms.safe_sqrt(sums), eps)), finite
+    shift = jnp.where(measurable, -norms.binary_exponent(biggest), 0)
+    unit = _l2_direction(wide, axes, split, (shift, jnp.ones_like(sums)))
+    unit_norm = norms.safe_sqrt(norms.across(jnp.sum(jnp.square(unit), axis=axes, keepdims=True),
+                                             "sum", split))
+    norm = jnp.where(measurable, norms.ldexp(unit_norm, -shift), norms.safe_sqrt(sums))
     tiny = float(jnp.finfo(wide.dtype).tiny)
-    biggest = norms.across(jnp.max(jnp.abs(wide), axis=axes, keepdims=True, initial=0), "max",
-                           split)
-    rescale = ((norm < tiny ** 0.5) | (norm >= 1 / tiny)) & (biggest > 0) & jnp.isfinite(biggest)
-    shift = jnp.where(rescale, -norms.binary_exponent(biggest), 0)
-    unit = _l2_direction(wide, axes, split, (shift, jnp.ones_like(norm)))
-    denom = jnp.where(rescale, norms.slice_norm(unit, 2.0, axes, split), plain)
-    return (shift, denom), finite
+    rescale = ((norm < tiny ** 0.5) | (norm >= 1 / tiny)) & measurable
+    return ((jnp.where(rescale, shift, 0),
+             jnp.where(rescale, unit_norm, _plain_denominator(norm, eps))), finite)
 
 
 def _l2_measure(leaves: list, cut: slices.Slicing, eps: Any, axis_name: norms.AxisName
@@ -157,25 +223,27 @@ def _l2_measure(leaves: list, cut: slices.Slicing, eps: Any, axis_name: norms.Ax
     """
     floats = [(g, axes, split) for g, axes, split in zip(leaves, cut.axes, cut.split, strict=True)
               if axes is not None]
-    checks_, plain = [], []
+    measured, plain, clean_flags = [], [], []
     for g, axes, split in floats:
         wide = g.astype(norms.acc_dtype(g.dtype))
         sums = norms.across(jnp.sum(jnp.square(wide), axis=axes, keepdims=True), "sum", split)
         biggest = norms.across(jnp.max(jnp.abs(wide), axis=axes, keepdims=True), "max", split)
         tiny = float(jnp.finfo(wide.dtype).tiny)
         rare = ~jnp.isfinite(sums) | ((sums < tiny) & (biggest != 0))
-        checks_.append(stats_lib.leaf_finite(jnp.where(rare, jnp.nan, biggest * 0)))
+        measured.append((sums, biggest))
+        clean_flags.append(stats_lib.leaf_finite(jnp.where(rare, jnp.nan, biggest * 0)))
         plain.append((jnp.zeros(sums.shape, jnp.int32),
                       _plain_denominator(norms.safe_sqrt(sums), eps)))
-    clean = norms.all_true(jnp.all(norms.gather_scalars(checks_)) if checks_
+    clean = norms.all_true(jnp.all(norms.gather_scalars(clean_flags)) if clean_flags
                            else jnp.asarray(True), axis_name)
 
     def exact():
-        return tuple(zip(*[_exact_l2(g, axes, split, eps) for g, axes, split in floats]))
+        return tuple(zip(*[_exact_l2(g, axes, split, eps, *m)
+                           for (g, axes, split), m in zip(floats, measured, strict=True)]))
 
-    measured, flags = jax.lax.cond(clean, lambda: (tuple(plain), tuple(checks_)), exact) \
+    ks, flags = jax.lax.cond(clean, lambda: (tuple(plain), tuple(clean_flags)), exact) \
         if floats else ((), ())
-    it = iter(measured)
+    it = iter(ks)
     return [None if axes is None else next(it) for axes in cut.axes], list(flags)
 
 
@@ -324,7 +392,7 @@ def l1_frank_wolfe(epsilon: float, learning_rate: float = 2.0,
     """
     _check_ball(epsilon, learning_rate, use_default_lr_schedule, param_ndim, eps, axis_name)
     return _frank_wolfe("l1_frank_wolfe", _l1_lmo, epsilon, learning_rate,
-                        use_default_lr_schedule, eps, param_ndim, axis_name)
+                        use_default_lr_schedule, eps, param_ndim, axis_name, measure=_l1_measure)
 
 
 def l2_frank_wolfe(epsilon: float, learning_rate: float = 2.0,
