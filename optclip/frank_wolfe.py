@@ -113,12 +113,14 @@ def _l1_measure(leaves: list, cut: slices.Slicing, axis_name: norms.AxisName
     clean = norms.all_true(jnp.all(norms.gather_scalars(clean_flags)), axis_name)
 
     def first_index():
-        def first(g, axes, shape):
+        def first(g, axes, like):
             rows = slices.slice_rows(g, axes)
-            return jnp.argmax(jnp.maximum(rows, -rows), axis=-1).astype(jnp.int32).reshape(shape)
-        return tuple(first(g, axes, largest.shape) for _, g, axes, largest in fast)
+            index = jnp.argmax(jnp.maximum(rows, -rows), axis=-1).astype(jnp.int32)
+            return slices.slice_mask(index, like)    # largest's shape and sharding
+        return tuple(first(g, axes, largest) for _, g, axes, largest in fast)
 
-    unique = tuple(jnp.full(largest.shape, -1, jnp.int32) for *_, largest in fast)
+    # Built from ``largest``: the same sharding (and device-variance type) as the other branch.
+    unique = tuple(jnp.zeros_like(largest, jnp.int32) - 1 for *_, largest in fast)
     firsts = jax.lax.cond(clean, lambda: unique, first_index)
     for (i, *_, largest), first in zip(fast, firsts, strict=True):
         k_of[i] = (largest, first)

@@ -110,8 +110,8 @@ def _plain_norm(x: jax.Array, axes: tuple[int, ...] | None, split: tuple[str, ..
 
 
 def _slice_norms(build, cut: slices.Slicing, axis_name: norms.AxisName) -> tuple[list, list]:
-    """``(norm of every slice, finiteness flag)`` per leaf of ``build()`` (``None`` for
-    non-float leaves).
+    """``(norm of every slice per leaf of build(), [finiteness of the step])`` (``None`` norms
+    for non-float leaves; the one flag is the same on every device along ``axis_name``).
 
     One read of each leaf: the plain sums of squares. Only where some norm came out infinite
     or NaN (a sum of squares overflowed, or the step is not finite: one scalar test for the
@@ -129,9 +129,12 @@ def _slice_norms(build, cut: slices.Slicing, axis_name: norms.AxisName) -> tuple
         again = [n if n is None or not axes else norms.slice_norm(x, 2.0, axes, split)
                  for x, n, axes, split in zip(leaves, plain, cut.axes, cut.split, strict=True)]
         # From the leaves: the norm of a finite slice can overflow.
-        return again, [stats_lib.leaf_finite(x) for x, n in zip(leaves, again) if n is not None]
+        flags = [stats_lib.leaf_finite(x) for x, n in zip(leaves, again) if n is not None]
+        return again, stats_lib.all_of(flags, axis_name)
 
-    return jax.lax.cond(clean, lambda: (plain, sums), exact)
+    # One flag for the tree, the same on every device in both branches.
+    measured, finite = jax.lax.cond(clean, lambda: (plain, clean), exact)
+    return measured, [finite]
 
 
 def _excess(x: jax.Array, low: Any, high: Any) -> jax.Array:
