@@ -45,86 +45,15 @@ class L1qFrankWolfeState(NamedTuple):
 
 
 def _l1_lmo(g: jax.Array, axes: tuple[int, ...], split: tuple[str, ...], k: Any) -> jax.Array:
-    """One-hot ``sign(g_i*) e_i*`` at the first largest ``|g|`` of every flattened slice (NaN
-    ranks as the largest, as in ``torch.argmax``), from ``k = (largest, first)`` of
-    :func:`_l1_measure`: where ``first`` is -1 the largest magnitude is unique (or the slice is
-    zero) and the one-hot is ``|g| == largest``, else it is the flat index ``first``.
+    """One-hot ``sign(g_i*) e_i*`` at the first largest ``|g|`` of every flattened slice (the
+    top-1 entry, found as :func:`top_q`'s ranking finds it, also for slices split over devices).
 
-    Slices split over devices (``k`` is ``None``) use :func:`top_q`'s exact ranking of the whole
-    slice. rai_toolbox 0.2.1 takes the argmax along the first reduced axis only, which is wrong
-    for slices of two or more axes.
+    rai_toolbox 0.2.1 takes the argmax along the first reduced axis only, which is wrong for
+    slices of two or more axes.
     """
     if axes_lib.slice_size(g.shape, axes) * norms.axes_size(split) <= 1:
         return slices.sign(g)
-    if k is None:
-        return slices.sign(slices.top_q_kept(g, axes, 1, split))
-    largest, first = k
-    wide = g.astype(largest.dtype)
-    hit = jnp.where(first < 0, (wide == largest) | (wide == -largest),
-                    _flat_index(g.shape, axes) == first)
-    return jnp.where(hit, slices.sign(g), jnp.zeros_like(g))
-
-
-def _flat_index(shape: tuple[int, ...], axes: tuple[int, ...]) -> jax.Array:
-    """Every element's index in its flattened (row-major) slice."""
-    index, stride = jnp.zeros(shape, jnp.int32), 1
-    for axis in reversed(axes):
-        index = index + jax.lax.broadcasted_iota(jnp.int32, shape, axis) * stride
-        stride *= shape[axis]
-    return index
-
-
-def _tied_maxima(wide: jax.Array, largest: jax.Array, axes: tuple[int, ...]) -> jax.Array:
-    """Per slice, how many entries beyond one equal ``largest`` (0 for a zero slice; NaN where
-    the slice holds NaN or Inf). Arithmetic only, so XLA:CPU fuses it into one read: a
-    difference of at least the smallest normal number times the largest finite one is >= 1.
-    (``max(x, -x)``, not ``|x|``: a magnitude shared with the other reduction would be written
-    out for both.)"""
-    gap = jnp.minimum((largest - jnp.maximum(wide, -wide)) * jnp.finfo(wide.dtype).max, 1)
-    extra = jnp.sum(1 - gap, axis=axes, keepdims=True) - 1
-    return jnp.where(largest == 0, 0, extra)
-
-
-def _l1_measure(leaves: list, cut: slices.Slicing, axis_name: norms.AxisName
-                ) -> tuple[list, list]:
-    """Per leaf ``k = (largest, first)`` for :func:`_l1_lmo` and the finiteness flag.
-
-    Two reductions per leaf that XLA fuses into reads of ``g``: the largest ``|g|`` of every
-    slice, and whether it is unique. Only where some slice has tied maxima or is not finite (one
-    scalar ``lax.cond`` for the tree) is the first index found by an ``argmax`` (a slower,
-    sequential pass). Slices split over devices and one-element slices keep their own path.
-    """
-    k_of: list = [None] * len(leaves)
-    flags, clean_flags, fast = [], [], []
-    for i, (g, axes, split) in enumerate(zip(leaves, cut.axes, cut.split, strict=True)):
-        if axes is None:
-            continue
-        if split or axes_lib.slice_size(g.shape, axes) <= 1:
-            flags.append(stats_lib.leaf_finite(g))
-            continue
-        wide = g.astype(norms.acc_dtype(g.dtype))
-        largest = jnp.max(jnp.abs(wide), axis=axes, keepdims=True)
-        ties = jnp.sum(_tied_maxima(wide, largest, axes))
-        flags.append(~jnp.isnan(ties))
-        clean_flags.append(ties == 0)
-        fast.append((i, g, axes, largest))
-    if not fast:
-        return k_of, flags
-    clean = norms.all_true(jnp.all(norms.gather_scalars(clean_flags)), axis_name)
-
-    def first_index():
-        def first(g, axes, like):
-            rows = slices.slice_rows(g, axes)
-            index = jnp.argmax(jnp.maximum(rows, -rows), axis=-1).astype(jnp.int32)
-            return slices.slice_mask(index, like)    # largest's shape and sharding
-        return tuple(first(g, axes, largest) for _, g, axes, largest in fast)
-
-    # Built from ``largest``: the same sharding (and device-variance type) as the other branch.
-    unique = tuple(jnp.zeros_like(largest, jnp.int32) - 1 for *_, largest in fast)
-    firsts = jax.lax.cond(clean, lambda: unique, first_index)
-    for (i, *_, largest), first in zip(fast, firsts, strict=True):
-        k_of[i] = (largest, first)
-    return k_of, flags
+    return slices.sign(slices.top_q_kept(g, axes, 1, split))
 
 
 def _fw_coefficients(count: jax.Array, learning_rate: Any, scaling: Any, schedule: bool,
@@ -394,7 +323,7 @@ def l1_frank_wolfe(epsilon: float, learning_rate: float = 2.0,
     """
     _check_ball(epsilon, learning_rate, use_default_lr_schedule, param_ndim, eps, axis_name)
     return _frank_wolfe("l1_frank_wolfe", _l1_lmo, epsilon, learning_rate,
-                        use_default_lr_schedule, eps, param_ndim, axis_name, measure=_l1_measure)
+                        use_default_lr_schedule, eps, param_ndim, axis_name)
 
 
 def l2_frank_wolfe(epsilon: float, learning_rate: float = 2.0,
