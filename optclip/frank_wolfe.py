@@ -158,7 +158,8 @@ def _l2_measure(leaves: list, cut: slices.Slicing, eps: Any, axis_name: norms.Ax
     for g, axes, split in floats:
         wide = g.astype(norms.acc_dtype(g.dtype))
         sums = norms.across(jnp.sum(jnp.square(wide), axis=axes, keepdims=True), "sum", split)
-        biggest = norms.across(jnp.max(jnp.abs(wide), axis=axes, keepdims=True), "max", split)
+        biggest = norms.across(jnp.max(jnp.abs(wide), axis=axes, keepdims=True, initial=0),
+                               "max", split)
         tiny = float(jnp.finfo(wide.dtype).tiny)
         rare = ~jnp.isfinite(sums) | ((sums < tiny) & (biggest != 0))
         measured.append((sums, biggest))
