@@ -103,6 +103,82 @@ def _check_ball(epsilon: Any, learning_rate: Any, use_default_lr_schedule: Any, 
     axes_lib.check_param_ndim_spec(param_ndim)
 
 
+def _l2_direction(g: jax.Array, axes: Any, split: Any, k: tuple) -> jax.Array:
+    """``g / max(||g||₂, eps)`` per slice from the measured ``k = (shift, denom)``: the slice
+    is scaled by ``2**shift`` (exact, in two halves) and divided by ``denom``."""
+    shift, denom = k
+    wide = g.astype(norms.acc_dtype(g.dtype))
+    half = norms.pow2(shift >> 1, wide.dtype)
+    unit = wide * half * half * norms.pow2(shift & 1, wide.dtype)
+    return (unit / jnp.where(denom == 0, 1, denom)).astype(g.dtype)
+
+
+def _plain_denominator(norm: jax.Array, eps: Any) -> jax.Array:
+    """``max(norm, eps)``; a zero slice is divided by 1 (it stays zero, with a finite
+    derivative)."""
+    return jnp.where(norm == 0, 1, jnp.maximum(norm, jnp.asarray(eps).astype(norm.dtype)))
+
+
+def _exact_l2(g: jax.Array, axes: tuple[int, ...], split: tuple[str, ...], eps: Any,
+              sums: jax.Array, biggest: jax.Array) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+    """``((shift, denom), finite)`` of every slice as :func:`l2_normalize` forms them, from the
+    plain ``sums`` of squares and ``biggest`` magnitudes: the norm measured on the slice scaled
+    by the power of two that brings its largest magnitude into ``[0.5, 1)`` (one more read; no
+    under- or overflow), and that scaled slice divided by its norm where the norm underflows or
+    its reciprocal would be subnormal."""
+    wide = g.astype(norms.acc_dtype(g.dtype))
+    finite = jnp.all(~jnp.isnan(sums) & jnp.isfinite(biggest))
+    measurable = (biggest > 0) & jnp.isfinite(biggest)
+    if g.dtype == jnp.float16:   # float32 sums of float16 squares neither under- nor overflow
+        return (jnp.zeros(sums.shape, jnp.int32),
+                _plain_denominator(norms.safe_sqrt(sums), eps)), finite
+    shift = jnp.where(measurable, -norms.binary_exponent(biggest), 0)
+    unit = _l2_direction(wide, axes, split, (shift, jnp.ones_like(sums)))
+    unit_norm = norms.safe_sqrt(norms.across(jnp.sum(jnp.square(unit), axis=axes, keepdims=True),
+                                             "sum", split))
+    norm = jnp.where(measurable, norms.ldexp(unit_norm, -shift), norms.safe_sqrt(sums))
+    tiny = float(jnp.finfo(wide.dtype).tiny)
+    rescale = ((norm < tiny ** 0.5) | (norm >= 1 / tiny)) & measurable
+    return ((jnp.where(rescale, shift, 0),
+             jnp.where(rescale, unit_norm, _plain_denominator(norm, eps))), finite)
+
+
+def _l2_measure(leaves: list, cut: slices.Slicing, eps: Any, axis_name: norms.AxisName
+                ) -> tuple[list, list]:
+    """Per leaf ``(shift, denom)`` for :func:`_l2_direction` and the finiteness flag.
+
+    Two reductions per leaf that XLA fuses into reads of ``g`` (``Σg²`` and ``max|g|`` per
+    slice); a slice whose sum of squares is non-finite or below ``tiny`` while it is not zero
+    (rare: under- or overflow, or a non-finite step) sends the whole tree through
+    :func:`_exact_l2` (one scalar ``lax.cond``), so the common case makes no further pass.
+    """
+    floats = [(g, axes, split) for g, axes, split in zip(leaves, cut.axes, cut.split, strict=True)
+              if axes is not None]
+    measured, plain, clean_flags = [], [], []
+    for g, axes, split in floats:
+        wide = g.astype(norms.acc_dtype(g.dtype))
+        sums = norms.across(jnp.sum(jnp.square(wide), axis=axes, keepdims=True), "sum", split)
+        biggest = norms.across(jnp.max(jnp.abs(wide), axis=axes, keepdims=True, initial=0),
+                               "max", split)
+        tiny = float(jnp.finfo(wide.dtype).tiny)
+        rare = ~jnp.isfinite(sums) | ((sums < tiny) & (biggest != 0))
+        measured.append((sums, biggest))
+        clean_flags.append(stats_lib.leaf_finite(jnp.where(rare, jnp.nan, biggest * 0)))
+        plain.append((jnp.zeros(sums.shape, jnp.int32),
+                      _plain_denominator(norms.safe_sqrt(sums), eps)))
+    clean = norms.all_true(jnp.all(norms.gather_scalars(clean_flags)) if clean_flags
+                           else jnp.asarray(True), axis_name)
+
+    def exact():
+        return tuple(zip(*[_exact_l2(g, axes, split, eps, *m)
+                           for (g, axes, split), m in zip(floats, measured, strict=True)]))
+
+    ks, flags = jax.lax.cond(clean, lambda: (tuple(plain), tuple(clean_flags)), exact) \
+        if floats else ((), ())
+    it = iter(ks)
+    return [None if axes is None else next(it) for axes in cut.axes], list(flags)
+
+
 def _fw_leaves(updates: Any, params: Any, lmo, cut: slices.Slicing, k_of: list, a: jax.Array,
                b: jax.Array) -> Any:
     """``p_new - p`` for every float leaf, with ``direction = lmo(g, axes, split, k)``."""
@@ -115,9 +191,12 @@ def _fw_leaves(updates: Any, params: Any, lmo, cut: slices.Slicing, k_of: list, 
 
 def _frank_wolfe(name: str, lmo, scaling: Any, learning_rate: Any, schedule: bool,
                  fw_eps: Any, param_ndim: Any, axis_name: norms.AxisName,
-                 fraction: slices.DropFraction | None = None) -> optax.GradientTransformation:
+                 fraction: slices.DropFraction | None = None,
+                 measure=None) -> optax.GradientTransformation:
     """Frank-Wolfe with ``direction = lmo(g, axes, split, k)``; ``fraction`` draws the L1q
-    ``k`` per leaf (its state is :class:`L1qFrankWolfeState`)."""
+    ``k`` per leaf (its state is :class:`L1qFrankWolfeState`); ``measure(leaves, cut,
+    axis_name) -> (k per leaf, per-leaf finiteness flags)`` instead measures what the LMO needs
+    and reads the finiteness of the step off the same pass."""
 
     def init_fn(params):
         head = (jnp.zeros([], jnp.int32), jnp.zeros([], norms.stat_dtype(params)))
@@ -135,16 +214,21 @@ def _frank_wolfe(name: str, lmo, scaling: Any, learning_rate: Any, schedule: boo
         leaves, treedef = jax.tree.flatten(updates)
         cut = slices.slicing(leaves, updates, param_ndim, axis_name)
         head = (optax.safe_increment(state.count), alpha)
+        if measure is not None:
+            k_of, flags = measure(leaves, cut, axis_name)
+            finite = stats_lib.all_of(flags, axis_name)
+        else:
+            finite = stats_lib.all_finite(updates, axis_name)
         if fraction is None:
-            k_of = [None] * len(leaves)
+            k_of = k_of if measure is not None else [None] * len(leaves)
             new_state = FrankWolfeState(*head, state.nonfinite)
         else:
             key, q_of, k_of = fraction.draw(state.key, leaves, cut.sizes)
             new_state = L1qFrankWolfeState(*head, key, treedef.unflatten(q_of),
                                            treedef.unflatten(slices.k_arrays(k_of)),
                                            state.nonfinite)
-        new_updates = _fw_leaves(updates, params, lmo, cut, k_of, a, b)
-        finite = stats_lib.all_finite(updates, axis_name)
+        # The updates wait for the check: no copy of the donated updates buffers for it.
+        new_updates = _fw_leaves(updates, params, lmo, cut, k_of, *stats_lib.after(finite, (a, b)))
         return new_updates, stats_lib.commit(finite, new_state, state)
 
     return checks.transformation(init_fn, update_fn)
@@ -279,11 +363,9 @@ def l2_frank_wolfe(epsilon: float, learning_rate: float = 2.0,
     """
     _check_ball(epsilon, learning_rate, use_default_lr_schedule, param_ndim, eps, axis_name)
 
-    def lmo(g, axes, split, k):
-        return slices.normalized(g, 2.0, axes, eps, split)[0].astype(g.dtype)
-
-    return _frank_wolfe("l2_frank_wolfe", lmo, epsilon, learning_rate, use_default_lr_schedule,
-                        slices.TINY, param_ndim, axis_name)
+    return _frank_wolfe("l2_frank_wolfe", _l2_direction, epsilon, learning_rate,
+                        use_default_lr_schedule, slices.TINY, param_ndim, axis_name,
+                        measure=lambda leaves, cut, names: _l2_measure(leaves, cut, eps, names))
 
 
 def linf_frank_wolfe(epsilon: float, learning_rate: float = 2.0,

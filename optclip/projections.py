@@ -53,31 +53,102 @@ class ClampParamsState(NamedTuple):
     count: jax.Array
 
 
-def _projection(name: str, project, state_cls: type, limits, axis_name: norms.AxisName
+def _projection(name: str, measure, apply, state_cls: type, limits, axis_name: norms.AxisName
                 ) -> optax.GradientTransformation:
-    """``project(x, limits(count)) -> (P(x), *diagnostic trees)`` on the tree
-    ``x = params + u``, ``limits`` resolving the float-or-schedule radius or bounds at the
-    count of finite steps."""
+    """A post-step projection of ``x = params + u``.
+
+    ``measure(build, at) -> (diagnostic trees, per-leaf finiteness flags, measured)`` holds
+    every reduction over ``x = build()`` (the finiteness of the step is read off the same pass;
+    a rarely taken branch rebuilds ``x`` instead of having it written out);
+    ``apply(x, at, measured) -> P(x)`` is elementwise. ``limits(count)`` resolves the
+    float-or-schedule radius or bounds ``at`` at the count of finite steps.
+    """
     norms.check_axis_name(axis_name)
 
     def init_fn(params):
         zero = jnp.zeros([], jnp.int32)
-        diag = stats_lib.zeros_like_params(lambda p: tuple(project(p, limits(zero))[1:]), params)
+        diag = stats_lib.zeros_like_params(
+            lambda p: tuple(measure(lambda for_reduction=False: p, limits(zero))[0]), params)
         return state_cls(*diag, zero, jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
         slices.require_params(params, name)
-        targets = jax.tree.map(lambda u, p: (p + u).astype(p.dtype) if norms.is_float(u) else p,
-                               updates, params)
-        projected, *diag = project(targets, limits(state.count))
+        def build(for_reduction=False):
+            # ``u - (-p)`` is ``p + u`` exactly, written differently: XLA would otherwise share
+            # one sum between the reductions and the update and write it out (a temporary the
+            # size of the leaf); as two expressions, each is fused into its own pass.
+            def target(u, p):
+                return (u - (-p) if for_reduction else p + u).astype(p.dtype)
+            return jax.tree.map(lambda u, p: target(u, p) if norms.is_float(u) else p,
+                                updates, params)
+
+        at = limits(state.count)
+        diag, flags, measured = measure(build, at)
+        finite = stats_lib.all_of(flags, axis_name)
+        # The updates wait for the check: no copy of the donated updates buffers for it.
+        projected = apply(build(), stats_lib.after(finite, at), measured)
         new_updates = jax.tree.map(
             lambda u, px, p: (px - p).astype(u.dtype) if norms.is_float(u) else u,
             updates, projected, params)
         new_state = state_cls(*diag, state.nonfinite, optax.safe_increment(state.count))
-        finite = stats_lib.all_finite(targets, axis_name)
         return new_updates, stats_lib.commit(finite, new_state, state)
 
     return checks.transformation(init_fn, update_fn)
+
+
+def _plain_norm(x: jax.Array, axes: tuple[int, ...] | None, split: tuple[str, ...]
+                ) -> jax.Array | None:
+    """``sqrt(Σx²)`` of every slice (keepdims, wide dtype) in one reduction; one-element slices
+    (``axes=()``) get their exact norm ``|x|``."""
+    if axes is None:
+        return None
+    if not axes:
+        return norms.slice_norm(x, 2.0, (), split)
+    wide = x.astype(norms.acc_dtype(x.dtype))
+    return norms.safe_sqrt(norms.across(jnp.sum(jnp.square(wide), axis=axes, keepdims=True),
+                                        "sum", split))
+
+
+def _slice_norms(build, cut: slices.Slicing, axis_name: norms.AxisName) -> tuple[list, list]:
+    """``(norm of every slice per leaf of build(), [finiteness of the step])`` (``None`` norms
+    for non-float leaves; the one flag is the same on every device along ``axis_name``).
+
+    One read of each leaf: the plain sums of squares. Only where some norm came out infinite
+    or NaN (a sum of squares overflowed, or the step is not finite: one scalar test for the
+    whole tree) are the norms measured again, scale-safe, and the leaves checked for NaN/Inf;
+    otherwise every norm is finite and so is every leaf, and the flags need no pass of their own.
+    """
+    plain = [_plain_norm(x, axes, split) for x, axes, split in
+             zip(build(), cut.axes, cut.split, strict=True)]
+    sums = [stats_lib.leaf_finite(n) for n in plain if n is not None]
+    clean = norms.all_true(jnp.all(norms.gather_scalars(sums)) if sums else jnp.asarray(True),
+                           axis_name)
+
+    def exact():
+        leaves = build()
+        again = [n if n is None or not axes else norms.slice_norm(x, 2.0, axes, split)
+                 for x, n, axes, split in zip(leaves, plain, cut.axes, cut.split, strict=True)]
+        # From the leaves: the norm of a finite slice can overflow.
+        flags = [stats_lib.leaf_finite(x) for x, n in zip(leaves, again) if n is not None]
+        return again, stats_lib.all_of(flags, axis_name)
+
+    # One flag for the tree, the same on every device in both branches.
+    measured, finite = jax.lax.cond(clean, lambda: (plain, clean), exact)
+    return measured, [finite]
+
+
+def _excess(x: jax.Array, low: Any, high: Any) -> jax.Array:
+    """``Σ (max(x - high, 0) + max(low - x, 0) + 0 x)`` in the wide dtype: positive exactly
+    when some element lies outside ``[low, high]``, NaN exactly when some element is NaN or
+    infinite. One reduction of arithmetic only, which XLA:CPU fuses into a single read (a
+    comparison would write a mask out first). Under flush-to-zero, a difference from a bound
+    below ``2**-126`` counts as none, as it does for the clamp itself."""
+    terms = x * jnp.zeros((), x.dtype)
+    if high is not None:
+        terms = terms + jnp.maximum(x - jnp.asarray(high).astype(x.dtype), 0)
+    if low is not None:
+        terms = terms + jnp.maximum(jnp.asarray(low).astype(x.dtype) - x, 0)
+    return jnp.sum(terms, dtype=norms.acc_dtype(x.dtype))
 
 
 def project_l2_ball(epsilon: float, param_ndim: int | None = -1, *, exact: bool = False,
@@ -123,25 +194,46 @@ def project_l2_ball(epsilon: float, param_ndim: int | None = -1, *, exact: bool 
     checks.boolean("exact", exact)
     renorm_eps = 0.0 if exact else RENORM_EPS
 
-    def project(targets, radius):
-        def multiplier(norm):
-            bound = jnp.asarray(radius).astype(norm.dtype)
-            return jnp.where(norm > bound, bound / (norm + jnp.asarray(renorm_eps, norm.dtype)), 1)
+    def measure(build, radius):
+        targets = build()
+        leaves, treedef = jax.tree.flatten(targets)
+        cut = slices.slicing(leaves, targets, param_ndim, axis_name)
+        measured, flags = _slice_norms(lambda: jax.tree.leaves(build(True)), cut, axis_name)
+        squeezed = [None if n is None else jnp.squeeze(n, axis=axes) for n, axes in
+                    zip(measured, cut.axes, strict=True)]
+        outside = [None if n is None else n > jnp.asarray(radius).astype(n.dtype)
+                   for n in squeezed]
+        return (treedef.unflatten(squeezed), treedef.unflatten(outside)), flags, measured
 
-        projected, measured = slices.scale_slices(targets, 2.0, multiplier, param_ndim=param_ndim,
-                                                 axis_name=axis_name)
-        outside = jax.tree.map(lambda n: n > jnp.asarray(radius).astype(n.dtype), measured)
-        return projected, measured, outside
+    def apply(targets, radius, measured):
+        leaves, treedef = jax.tree.flatten(targets)
+        return treedef.unflatten([x if n is None else norms.scale(x, multiplier(n, radius))
+                                  for x, n in zip(leaves, measured, strict=True)])
 
-    return _projection("project_l2_ball", project, ProjectL2BallState,
+    def multiplier(norm, radius):
+        bound = jnp.asarray(radius).astype(norm.dtype)
+        return jnp.where(norm > bound, bound / (norm + jnp.asarray(renorm_eps, norm.dtype)), 1)
+
+    return _projection("project_l2_ball", measure, apply, ProjectL2BallState,
                        lambda count: checks.resolve(epsilon, count), axis_name)
 
 
 def _box_projection(name: str, state_cls: type, bounds, axis_name: norms.AxisName
                     ) -> optax.GradientTransformation:
-    """``bounds(count) -> (low, high)``."""
-    return _projection(name, lambda x, at: slices.clamp_tree(x, *at, axis_name), state_cls,
-                       bounds, axis_name)
+    """``clip(x, low, high)`` with ``bounds(count) -> (low, high)`` (``None``: unbounded)."""
+
+    def measure(build, at):
+        targets = build(True)
+        excess = [_excess(x, *at) if norms.is_float(x) else None
+                  for x in jax.tree.leaves(targets)]
+        moved = [None if e is None else norms.any_true(e != 0, axis_name) for e in excess]
+        flags = [~jnp.isnan(e) for e in excess if e is not None]
+        return (jax.tree.structure(targets).unflatten(moved),), flags, None
+
+    def apply(targets, at, measured):
+        return norms.float_map(lambda x: slices.clip(x, *at), targets)
+
+    return _projection(name, measure, apply, state_cls, bounds, axis_name)
 
 
 def project_linf_ball(epsilon: float, *, axis_name: norms.AxisName = None

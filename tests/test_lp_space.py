@@ -424,6 +424,41 @@ def test_l2_frank_wolfe_lr_one_schedule():
     np.testing.assert_allclose(got[2], np.asarray(FW_THREE_STEPS["l2-whole"][1][2], F32), **TOL)
 
 
+def test_project_l2_ball_rows_whose_sum_of_squares_overflows():
+    """A finite row whose plain sum of squares overflows is projected onto the
+    ball, and the step counts as finite; a row with inf does not."""
+    tx = optclip.project_l2_ball(1.0)
+    x = {"a": np.array([[1e30, 1e30], [0.3, 0.4]], F32), "b": np.array([[0.0, 2.0]], F32)}
+    zeros = jax.tree.map(jnp.zeros_like, x)
+    u, state = tx.update(x, tx.init(zeros), zeros)
+    np.testing.assert_allclose(u["a"], [[0.70710677, 0.70710677], [0.3, 0.4]], **TOL)
+    np.testing.assert_allclose(u["b"], [[0.0, 1.0]], **TOL)
+    assert int(state.nonfinite) == 0 and int(state.count) == 1
+    assert state.projected["a"].tolist() == [True, False]
+    bad = {"a": x["a"], "b": np.array([[np.inf, 0.0]], F32)}
+    _, state = tx.update(bad, state, zeros)
+    assert int(state.nonfinite) == 1 and int(state.count) == 1
+
+
+def test_l2_frank_wolfe_direction_has_unit_norm_for_tiny_huge_and_zero_rows():
+    """Rows whose plain sum of squares underflows or overflows take the rare exact branch,
+    also when only one leaf of the tree has such a row; the other rows are unaffected."""
+    rare = np.array([[1e-30, 0, 0], [3e38, 3e38, 0], [0, 0, 0], [3, 4, 0], [1e20, -1e20, 0]],
+                    F32)
+    plain = np.array([[0, 0, 2], [1, 0, 0]], F32)
+    want_rare = [[1, 0, 0], [0.70710677, 0.70710677, 0], [0, 0, 0], [0.6, 0.8, 0],
+                 [0.70710677, -0.70710677, 0]]
+    want_plain = [[0, 0, 1], [1, 0, 0]]
+    tx = optclip.l2_frank_wolfe(1.0)     # alpha_0 = 1: p_new = -direction
+    for grads, wants in (({"a": rare, "b": plain}, (want_rare, want_plain)),
+                         ({"b": plain}, (want_plain,))):
+        params = jax.tree.map(jnp.zeros_like, grads)
+        u, state = tx.update(grads, tx.init(params), params)
+        for got, want in zip(jax.tree.leaves(u), wants, strict=True):
+            np.testing.assert_allclose(got, -np.asarray(want, F32), **TOL)
+        assert int(state.nonfinite) == 0 and int(state.count) == 1
+
+
 @pytest.mark.parametrize("param_ndim,want", [
     (-1, [[-2, 2, -2], [-0.666666687, 0.666666687, -0.666666687]]),   # 1-D: the L∞ LMO (S1)
     (None, [[0, 2, 0], [0, 0.666666687, 0]]),
@@ -443,6 +478,26 @@ def test_l1_lmo_flattens_two_axis_slices():
     g = np.arange(12.0).reshape(2, 2, 3) - 5
     (got,) = steps(optclip.l1_frank_wolfe(1.0), np.zeros((2, 2, 3)), [g])
     np.testing.assert_array_equal(got, [[[1, 0, 0], [0, 0, 0]], [[0, 0, 0], [0, 0, -1]]])
+
+
+def test_l1_lmo_ties_and_nan_take_the_first_index():
+    """Tied largest magnitudes in one leaf send the tree through the argmax branch; the first
+    index wins, and NaN ranks as the largest."""
+    tx = optclip.l1_frank_wolfe(1.0)     # alpha_0 = 1: the update is -direction at p = 0
+    tied = np.array([[2, -2, 1], [0.5, -3, 3], [0, 0, 0]], F32)
+    plain = np.array([[1, 4, -2]], F32)
+    for grads, wants in (({"a": tied, "b": plain},
+                          ([[1, 0, 0], [0, -1, 0], [0, 0, 0]], [[0, 1, 0]])),
+                         ({"b": plain}, ([[0, 1, 0]],))):
+        params = jax.tree.map(jnp.zeros_like, grads)
+        u, _ = tx.update(grads, tx.init(params), params)
+        for got, want in zip(jax.tree.leaves(u), wants, strict=True):
+            np.testing.assert_array_equal(got, -np.asarray(want, F32))
+    g = {"b": np.array([[1, np.nan, 3, np.nan]], F32)}
+    params = {"b": jnp.ones((1, 4))}
+    u, state = tx.update(g, tx.init(params), params)
+    np.testing.assert_array_equal(np.isnan(u["b"]), [[False, True, False, False]])
+    assert int(state.nonfinite) == 1
 
 
 @pytest.mark.parametrize("learning_rate,want", [

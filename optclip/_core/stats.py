@@ -266,3 +266,16 @@ def cast_like(shapes: Any, tree: Any) -> Any:
     moments for integer parameters at ``init`` and floating ones after a step)."""
     return jax.tree.map(lambda s, x: x if jnp.result_type(x) == s.dtype else
                         jnp.asarray(x).astype(s.dtype), shapes, tree)
+
+
+def after(flag: jax.Array, tree: Any) -> Any:
+    """``tree`` (floating scalars) unchanged, but computed after the scalar ``flag``.
+
+    A check whose result only feeds the state (the finiteness of the updates) is otherwise
+    unordered with the computation of the updates; with donated buffers XLA then copies each
+    updates leaf the check reads before writing the output into it (a full extra read and write
+    per leaf). Subtracting ``0 * flag`` makes every value that depends on ``tree`` wait for
+    ``flag``; it is exact for every value (``x - 0`` keeps ``x``, signed zeros, NaN and Inf).
+    """
+    zero = jnp.asarray(flag).astype(jnp.float32) * 0
+    return jax.tree.map(lambda x: x - zero.astype(jnp.result_type(x)), tree)
