@@ -155,18 +155,26 @@ def _clip_fraction(updates: Any, nu: Any, limit: Limit, axis_name: norms.AxisNam
 
 def _gated_step(inner, finite, updates, inner_state, params, extra_args, prepare=None):
     """``inner.update`` on ``prepare``'d updates and state where ``finite`` holds; else NaN
-    updates (``optax.apply_if_finite`` drops them) and ``inner_state`` as it was, via one
-    ``lax.cond`` (:func:`optclip._core.stats.run_or_hold`): no pass over the moments."""
+    updates (``optax.apply_if_finite`` drops them) and ``inner_state`` as it was.
+
+    One ``lax.cond`` (:func:`optclip._core.stats.run_or_hold`), no pass over the moments. The
+    held branch hands its operands back unchanged and the NaN updates come from a select after
+    the cond: XLA then keeps every output in the buffer of the operand it replaces (with donated
+    buffers, a branch that builds new arrays makes XLA copy outputs after the cond), and the
+    select fuses into whatever reads the updates next.
+    """
     def run():
         g, s = (updates, inner_state) if prepare is None else prepare()
         return inner.update(g, s, params, **extra_args)
 
     def hold():
         shapes = jax.eval_shape(run)
-        return (stats_lib.filled_like(shapes[0], updates, jnp.nan),
+        return (stats_lib.cast_like(shapes[0], updates),
                 stats_lib.cast_like(shapes[1], inner_state))
 
     out, new_inner = stats_lib.run_or_hold(finite, run, hold)
+    out = jax.tree.map(lambda o: jnp.where(finite, o, jnp.asarray(jnp.nan, o.dtype))
+                       if norms.is_float(o) else o, out)
     return _passthrough(out, updates), new_inner
 
 
