@@ -167,32 +167,26 @@ def adaptive_grad_clip(
     norms.check_axis_name(axis_name)
     unit_dim = flax_unit_axes() if dim is None else dim
 
-    def one_leaf(g, p, leaf_dim, bound):
-        """``(clipped g, max ratio, clipped fraction)`` for one float leaf."""
-        axes = axes_lib.reduction_axes(g.ndim, leaf_dim)
-        if axes is None:
-            axes = ()
-        split = norms.split_axes([g], axis_name)[0]
-        g_norm = norms.slice_norm(g, 2.0, axes, split)
-        w_norm = norms.slice_norm(p, 2.0, axes, split).astype(g_norm.dtype)
-        floor = jnp.maximum(w_norm, jnp.asarray(eps, g_norm.dtype))
-        allowed = bound.astype(g_norm.dtype) * floor
-        out = norms.scale(g, slices.clip_multiplier(g_norm, allowed))
-        ratio = g_norm / floor
-        clipped = jnp.mean((g_norm > allowed).astype(g_norm.dtype))
-        return out, jnp.max(ratio, initial=0), clipped
-
     def measure(updates, params, bound):
+        """``(clipped updates, max ratio, clipped fraction, finite)``: trees, then a bool."""
         leaves, treedef = jax.tree.flatten(updates)
         param_leaves = treedef.flatten_up_to(params)
         dims = axes_lib.leaf_dims(unit_dim, params)
-        results = [one_leaf(g, p, d, bound) if norms.is_float(g) else (g, None, None)
-                   for g, p, d in zip(leaves, param_leaves, dims)]
-        return tuple(treedef.unflatten([r[i] for r in results]) for i in range(3))
+        floats = [i for i, g in enumerate(leaves) if norms.is_float(g)]
+        slices_ = [(leaves[i], param_leaves[i], _unit_axes(leaves[i], dims[i])) for i in floats]
+        split = norms.split_axes([g for g, _, _ in slices_], axis_name)
+        unit_norms = _unit_norms([(x, axes, sp) for (g, p, axes), sp in zip(slices_, split)
+                                  for x in (g, p)])
+        results = dict(zip(floats, (
+            _clip_leaf(g, unit_norms[2 * k], unit_norms[2 * k + 1], bound, eps)
+            for k, (g, _, _) in enumerate(slices_))))
+        outs = [results.get(i, (g, None, None, None)) for i, g in enumerate(leaves)]
+        finite = stats_lib.all_of([r[3] for r in results.values()])
+        return (*(treedef.unflatten([r[n] for r in outs]) for n in range(3)), finite)
 
     def init_fn(params):
         ratio, clipped = stats_lib.zeros_like_params(
-            lambda p: measure(p, p, jnp.ones((), norms.stat_dtype()))[1:], params)
+            lambda p: measure(p, p, jnp.ones((), norms.stat_dtype()))[1:3], params)
         return AdaptiveGradClipState(jnp.zeros([], jnp.int32), ratio, clipped,
                                      jnp.zeros([], jnp.int32))
 
@@ -201,11 +195,53 @@ def adaptive_grad_clip(
             raise ValueError("adaptive_grad_clip needs the parameters: call "
                              "update(updates, state, params)")
         bound = checks.resolve(clipping, state.count, norms.stat_dtype())
-        new_updates, ratio, clipped = measure(updates, params, bound)
-        finite = stats_lib.all_finite(updates, axis_name)
+        # The gradient norms see every NaN/Inf: no separate pass over the gradients to find one.
+        new_updates, ratio, clipped, finite = measure(updates, params, bound)
+        finite = norms.all_true(finite, axis_name)
         return new_updates, AdaptiveGradClipState(
             optax.safe_increment(state.count), stats_lib.keep_finite(ratio, state.max_ratio),
             stats_lib.keep_finite(clipped, state.clipped),
             stats_lib.count_nonfinite(state.nonfinite, finite))
 
     return checks.transformation(init_fn, update_fn)
+
+
+def _unit_axes(g: jax.Array, leaf_dim: Any) -> tuple[int, ...]:
+    axes = axes_lib.reduction_axes(g.ndim, leaf_dim)
+    return () if axes is None else axes
+
+
+def _unit_norms(slices_: list[tuple[jax.Array, tuple[int, ...], tuple[str, ...]]]
+                ) -> list[jax.Array]:
+    """The L2 norm of every unit (keepdims, wide dtype) of each ``(array, axes, split)``.
+
+    One plain sum of squares per array, the arrays read once; only on a step where some sum
+    overflowed (one scalar test for all, ``lax.cond``) are the norms taken again, scale-safe
+    (:func:`optclip._core.norms.slice_norm`). A NaN/Inf element leaves its unit's norm
+    non-finite either way.
+    """
+    def plain(x, axes, split):
+        wide = x.astype(norms.acc_dtype(x.dtype))
+        total = jax.lax.reduce(jnp.square(wide), jnp.zeros((), wide.dtype), jax.lax.add, axes)
+        return norms.safe_sqrt(norms.across(jnp.expand_dims(total, axes), "sum", split))
+
+    quick = [plain(*item) for item in slices_]
+    if not quick:
+        return []
+    overflow = ~stats_lib.all_of([jnp.all(n < jnp.inf) for n in quick])
+    return list(jax.lax.cond(
+        overflow, lambda: [norms.slice_norm(x, 2.0, axes, split) for x, axes, split in slices_],
+        lambda: quick))
+
+
+def _clip_leaf(g: jax.Array, g_norm: jax.Array, w_norm: jax.Array, bound: jax.Array,
+               eps: float) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``(clipped g, max ratio, clipped fraction, finite)`` for one float leaf from its unit
+    norms (``finite``: every unit norm of ``g`` is finite)."""
+    w_norm = w_norm.astype(g_norm.dtype)
+    floor = jnp.maximum(w_norm, jnp.asarray(eps, g_norm.dtype))
+    allowed = bound.astype(g_norm.dtype) * floor
+    out = norms.scale(g, slices.clip_multiplier(g_norm, allowed))
+    ratio = g_norm / floor
+    clipped = jnp.mean((g_norm > allowed).astype(g_norm.dtype))
+    return out, jnp.max(ratio, initial=0), clipped, stats_lib.leaf_finite(g_norm)
