@@ -228,7 +228,8 @@ def _unit_norms(slices_: list[tuple[jax.Array, tuple[int, ...], tuple[str, ...]]
     quick = [plain(*item) for item in slices_]
     if not quick:
         return []
-    overflow = ~stats_lib.all_of([jnp.all(n < jnp.inf) for n in quick])
+    # A sum of norms is infinite exactly when one is (no sum of finite norms overflows).
+    overflow = jnp.isinf(norms.tree_sum([jnp.sum(n) for n in quick]))
     return list(jax.lax.cond(
         overflow, lambda: [norms.slice_norm(x, 2.0, axes, split) for x, axes, split in slices_],
         lambda: quick))
@@ -243,5 +244,6 @@ def _clip_leaf(g: jax.Array, g_norm: jax.Array, w_norm: jax.Array, bound: jax.Ar
     allowed = bound.astype(g_norm.dtype) * floor
     out = norms.scale(g, slices.clip_multiplier(g_norm, allowed))
     ratio = g_norm / floor
-    clipped = jnp.mean((g_norm > allowed).astype(g_norm.dtype))
-    return out, jnp.max(ratio, initial=0), clipped, stats_lib.leaf_finite(g_norm)
+    # One sum counts the clipped units and sees a non-finite norm (``norm * 0`` is NaN there).
+    hits = jnp.sum((g_norm > allowed).astype(g_norm.dtype) + g_norm * 0)
+    return out, jnp.max(ratio, initial=0), hits / max(g_norm.size, 1), jnp.isfinite(hits)
