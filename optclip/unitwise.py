@@ -216,23 +216,34 @@ def _unit_norms(slices_: list[tuple[jax.Array, tuple[int, ...], tuple[str, ...]]
     """The L2 norm of every unit (keepdims, wide dtype) of each ``(array, axes, split)``.
 
     One plain sum of squares per array, the arrays read once; only on a step where some sum
-    overflowed (one scalar test for all, ``lax.cond``) are the norms taken again, scale-safe
-    (:func:`optclip._core.norms.slice_norm`). A NaN/Inf element leaves its unit's norm
-    non-finite either way.
+    overflowed (one scalar test for all, ``lax.cond``) are the sums of the arrays scaled by
+    ``2**-k`` taken as well, for the units whose plain sum overflowed. A NaN/Inf element
+    leaves its unit's norm non-finite either way.
     """
-    def plain(x, axes, split):
+    def unit_sum(x, axes, split, scaled=False):
         wide = x.astype(norms.acc_dtype(x.dtype))
+        if scaled:
+            wide = wide * jnp.asarray(2.0 ** -_SHIFT[wide.dtype], wide.dtype)
         total = jax.lax.reduce(jnp.square(wide), jnp.zeros((), wide.dtype), jax.lax.add, axes)
-        return norms.safe_sqrt(norms.across(jnp.expand_dims(total, axes), "sum", split))
+        return norms.across(jnp.expand_dims(total, axes), "sum", split)
 
-    quick = [plain(*item) for item in slices_]
-    if not quick:
+    if not slices_:
         return []
+    quick = [norms.safe_sqrt(unit_sum(*item)) for item in slices_]
     # A sum of norms is infinite exactly when one is (no sum of finite norms overflows).
     overflow = jnp.isinf(norms.tree_sum([jnp.sum(n) for n in quick]))
-    return list(jax.lax.cond(
-        overflow, lambda: [norms.slice_norm(x, 2.0, axes, split) for x, axes, split in slices_],
-        lambda: quick))
+
+    def rescued():
+        return [jnp.where(jnp.isinf(n), norms.safe_sqrt(unit_sum(x, axes, split, True))
+                          * jnp.asarray(2.0 ** _SHIFT[n.dtype], n.dtype), n)
+                for n, (x, axes, split) in zip(quick, slices_)]
+
+    return list(jax.lax.cond(overflow, rescued, lambda: quick))
+
+
+# Powers of two that scale a finite element's square, and the sum of up to 2**40 of them, into
+# the dtype's range (float32: (2**128 * 2**-86)**2 * 2**40 = 2**124).
+_SHIFT = {jnp.dtype(jnp.float32): 86, jnp.dtype(jnp.float64): 540}
 
 
 def _clip_leaf(g: jax.Array, g_norm: jax.Array, w_norm: jax.Array, bound: jax.Array,
