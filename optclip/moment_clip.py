@@ -129,44 +129,77 @@ def _bias_correction(b2: Any, count: jax.Array) -> jax.Array:
 Limit = Callable[[jax.Array, jax.Array], jax.Array]
 
 
-def _clip(g: jax.Array, v: jax.Array, limit: Limit) -> jax.Array:
-    """``g`` clipped elementwise to ``[-c, c]`` with ``c = limit(g, nu)``."""
+def _clip(g: jax.Array, v: jax.Array, limit: Limit, active: jax.Array) -> jax.Array:
+    """``g`` clipped elementwise to ``[-c, c]`` with ``c = limit(g, nu)`` where the scalar
+    ``active`` holds, else ``g`` as it is."""
     thr = limit(g, v)
     wide = g.astype(norms.acc_dtype(g.dtype))
-    return jnp.where(jnp.abs(wide) > thr, jnp.sign(wide) * thr, wide).astype(g.dtype)
+    over = active & (jnp.abs(wide) > thr)
+    return jnp.where(over, jnp.sign(wide) * thr, wide).astype(g.dtype)
 
 
-def _clip_fraction(updates: Any, nu: Any, limit: Limit, axis_name: norms.AxisName
-                   ) -> tuple[jax.Array, jax.Array]:
+def _squared_excess(g: jax.Array, v: jax.Array, inv_width: jax.Array, nu_weight: jax.Array,
+                    floor: jax.Array) -> jax.Array:
+    """``(g / w)**2 - max(b * nu, f)``: positive exactly where ``|g| > w sqrt(b * nu)`` (or
+    ``> w sqrt(f)``), up to rounding at the threshold, for the scalars ``1 / w``, ``b`` and
+    ``f``. No root and no absolute value (the cheap operations of XLA:CPU's fast reduction);
+    finite for every finite ``g`` and ``nu`` (a square that overflows is an element far above
+    the threshold)."""
+    wide = g.astype(norms.acc_dtype(g.dtype))
+    v = v.astype(wide.dtype)
+    return (jnp.square(wide * inv_width.astype(wide.dtype))
+            - jnp.maximum(v * nu_weight.astype(wide.dtype), floor.astype(wide.dtype)))
+
+
+def _clip_fraction(updates: Any, nu: Any, excess: Limit, active: jax.Array,
+                   axis_name: norms.AxisName) -> tuple[jax.Array, jax.Array]:
     """The fraction of elements that :func:`_clip` changes, and whether every gradient is
-    finite, from one reduction per leaf (a NaN/Inf element counts as NaN)."""
-    leaves = [(g, v) for g, v in zip(jax.tree.leaves(updates), jax.tree.leaves(nu))
-              if norms.is_float(g)]
-    split = norms.split_axes([g for g, _ in leaves], axis_name)
+    finite, from one reduction per leaf (of ``g`` and ``nu``, nothing written out).
+
+    Each element adds ``sign(max(excess(g, nu), 0))`` (1 where ``excess``, a
+    :func:`_squared_excess`, is positive, else 0) and ``g * 0`` (NaN for a NaN/Inf element,
+    else 0): arithmetic that XLA:CPU fuses into its fast reduction, where a comparison or a
+    select would first be written out as an array the size of the leaf. ``active`` applies
+    after the sum.
+    """
+    pairs = [(g, v) for g, v in zip(jax.tree.leaves(updates), jax.tree.leaves(nu))
+             if norms.is_float(g)]
+    split = norms.split_axes([g for g, _ in pairs], axis_name)
 
     def hits(g, v):
-        over = jnp.abs(g.astype(norms.acc_dtype(g.dtype))) > limit(g, v)
-        return jnp.sum(jnp.where(jnp.isfinite(g), over, jnp.nan), dtype=jnp.float32)
+        wide = g.astype(norms.acc_dtype(g.dtype))
+        return (jnp.sign(jnp.maximum(excess(g, v), 0))
+                + wide * jnp.zeros((), wide.dtype)).astype(jnp.float32)
 
-    total = norms.tree_sum([hits(g, v) for g, v in leaves], split)
-    size = sum(g.size * norms.axes_size(axes) for (g, _), axes in zip(leaves, split))
-    return (total / max(size, 1)).astype(norms.stat_dtype(updates)), jnp.isfinite(total)
+    partials = norms.leaf_reductions([hits(g, v) for g, v in pairs], lambda x: x)
+    total = norms.tree_sum(partials, split)
+    size = sum(g.size * norms.axes_size(axes) for (g, _), axes in zip(pairs, split))
+    fraction = jnp.where(active, total / max(size, 1), jnp.zeros_like(total))
+    return fraction.astype(norms.stat_dtype(updates)), jnp.isfinite(total)
 
 
 def _gated_step(inner, finite, updates, inner_state, params, extra_args, prepare=None):
     """``inner.update`` on ``prepare``'d updates and state where ``finite`` holds; else NaN
-    updates (``optax.apply_if_finite`` drops them) and ``inner_state`` as it was, via one
-    ``lax.cond`` (:func:`optclip._core.stats.run_or_hold`): no pass over the moments."""
+    updates (``optax.apply_if_finite`` drops them) and ``inner_state`` as it was.
+
+    One ``lax.cond`` (:func:`optclip._core.stats.run_or_hold`), no pass over the moments. The
+    held branch hands its operands back unchanged and the NaN updates come from a select after
+    the cond: XLA then keeps every output in the buffer of the operand it replaces (with donated
+    buffers, a branch that builds new arrays makes XLA copy outputs after the cond), and the
+    select fuses into whatever reads the updates next.
+    """
     def run():
         g, s = (updates, inner_state) if prepare is None else prepare()
         return inner.update(g, s, params, **extra_args)
 
     def hold():
         shapes = jax.eval_shape(run)
-        return (stats_lib.filled_like(shapes[0], updates, jnp.nan),
+        return (stats_lib.cast_like(shapes[0], updates),
                 stats_lib.cast_like(shapes[1], inner_state))
 
     out, new_inner = stats_lib.run_or_hold(finite, run, hold)
+    out = jax.tree.map(lambda o: jnp.where(finite, o, jnp.asarray(jnp.nan, o.dtype))
+                       if norms.is_float(o) else o, out)
     return _passthrough(out, updates), new_inner
 
 
@@ -262,19 +295,29 @@ def spam_clip(
                                                     norms.stat_dtype(updates)))
         nu = _nu_tree(updates, _moment_state(state.inner).nu)
 
-        def limit(g, v):  # against the reset moments on a reset step
-            s = _sqrt_nu(jnp.where(reset, jnp.zeros_like(v), v), g)
-            return jnp.where(active, root_theta.astype(s.dtype) * s, jnp.inf)
+        # Against the reset moments (0) on a reset step; a scalar select, none per element.
+        width = jnp.where(reset, jnp.zeros_like(root_theta), root_theta)
+
+        def limit(g, v):
+            s = _sqrt_nu(v, g)
+            return width.astype(s.dtype) * s
 
         def prepare():
             inner_state = state.inner
             if reset_interval is not None:
                 inner_state = stats_lib.keep_if(
                     reset, _map_moment_state(reset_moments, inner_state), inner_state)
-            return jax.tree.map(lambda g, v: _clip(g, v, limit) if norms.is_float(g) else g,
-                                updates, nu), inner_state
+            return jax.tree.map(lambda g, v: _clip(g, v, limit, active)
+                                if norms.is_float(g) else g, updates, nu), inner_state
 
-        fraction, finite = _clip_fraction(updates, nu, limit, axis_name)
+        # |g| > sqrt(theta nu), or |g| > 0 against the reset moments.
+        one, zero = jnp.ones_like(root_theta), jnp.zeros_like(root_theta)
+        inv_width = jnp.where(reset, one, 1 / root_theta)
+
+        def excess(g, v):
+            return _squared_excess(g, v, inv_width, jnp.where(reset, zero, one), zero)
+
+        fraction, finite = _clip_fraction(updates, nu, excess, active, axis_name)
         out, new_inner = _gated_step(inner, finite, updates, state.inner, params, extra_args,
                                      prepare)
         return out, _commit(finite, SpamClipState(
@@ -357,14 +400,18 @@ def adamw_clip(
 
         def limit(g, v):
             s = _sqrt_nu(v, g)
-            return jnp.where(active, jnp.maximum(width.astype(s.dtype) * s, min_threshold),
-                             jnp.inf)
+            return jnp.maximum(width.astype(s.dtype) * s, jnp.asarray(min_threshold, s.dtype))
 
         def prepare():
-            return jax.tree.map(lambda g, v: _clip(g, v, limit) if norms.is_float(g) else g,
-                                updates, nu), state.inner
+            return jax.tree.map(lambda g, v: _clip(g, v, limit, active)
+                                if norms.is_float(g) else g, updates, nu), state.inner
 
-        fraction, finite = _clip_fraction(updates, nu, limit, axis_name)
+        def excess(g, v):
+            inv_width = 1 / width
+            floor = jnp.square(jnp.asarray(min_threshold, stat) * inv_width)
+            return _squared_excess(g, v, inv_width, jnp.ones_like(width), floor)
+
+        fraction, finite = _clip_fraction(updates, nu, excess, active, axis_name)
         out, new_inner = _gated_step(inner, finite, updates, state.inner, params, extra_args,
                                      prepare)
         return out, _commit(finite, AdamWClipState(

@@ -139,10 +139,11 @@ def skip_spikes(
     non-finite steps are always skipped.
 
     The decision is taken on scalars before ``inner`` runs, and one ``lax.cond`` on it either
-    runs ``inner`` (updating its state in place) or returns zeros and the state as it was: an
-    accepted step costs ``inner`` plus one read of the gradients for their norm, a skipped step
-    almost nothing (under ``jax.vmap`` the cond becomes a select and both run). On a skipped
-    step adamw's weight decay is skipped too.
+    runs ``inner`` (updating its state in place) or hands the state back as it was; the updates
+    are then zeroed on a skipped step by an elementwise select, which fuses into the next pass
+    over them (``optax.apply_updates``). An accepted step costs ``inner`` plus one read of the
+    gradients for their norm, a skipped step almost nothing (under ``jax.vmap`` the cond
+    becomes a select and both run). On a skipped step adamw's weight decay is skipped too.
 
     Args:
       inner: the transformation to protect, usually the whole optimizer (a chain ending in
@@ -310,17 +311,22 @@ def _common_loss(loss: Any, dtype, axis_name: norms.AxisName) -> jax.Array:
 def _gated_update(inner, skip, updates, inner_state, params, extra_args):
     """``inner.update`` on an accepted step; zeros and ``inner_state`` as it was on a skipped one.
 
-    Gated by :func:`optclip._core.stats.run_or_hold`: an accepted step runs exactly ``inner``,
-    a skipped one touches nothing; no select over the moment buffers.
+    One ``lax.cond`` on the scalar ``skip`` (:func:`optclip._core.stats.run_or_hold`): an
+    accepted step runs exactly ``inner``, a skipped one touches nothing. The skipped branch
+    hands its operands back unchanged, the gradients included, and the updates are zeroed by
+    a select after the cond: XLA then keeps every output in the buffer of the operand it
+    replaces (with donated buffers, a branch that builds new zeros makes XLA copy the updates,
+    and more, after the cond), and the select fuses into whatever reads the updates next.
     """
     def accept():
         return inner.update(updates, inner_state, params, **extra_args)
 
     def hold():
         shapes = jax.eval_shape(accept)
-        return (stats_lib.filled_like(shapes[0], updates, 0),
-                stats_lib.cast_like(shapes[1], inner_state))
+        return stats_lib.cast_like(shapes[0], updates), stats_lib.cast_like(shapes[1],
+                                                                             inner_state)
 
     out, new_inner = stats_lib.run_or_hold(~skip, accept, hold)
     # Integer leaves pass through unchanged, as in every optclip transform.
-    return jax.tree.map(lambda o, u: o if norms.is_float(u) else u, out, updates), new_inner
+    return jax.tree.map(lambda o, u: jnp.where(skip, jnp.zeros((), o.dtype), o)
+                        if norms.is_float(u) else u, out, updates), new_inner

@@ -167,32 +167,26 @@ def adaptive_grad_clip(
     norms.check_axis_name(axis_name)
     unit_dim = flax_unit_axes() if dim is None else dim
 
-    def one_leaf(g, p, leaf_dim, bound):
-        """``(clipped g, max ratio, clipped fraction)`` for one float leaf."""
-        axes = axes_lib.reduction_axes(g.ndim, leaf_dim)
-        if axes is None:
-            axes = ()
-        split = norms.split_axes([g], axis_name)[0]
-        g_norm = norms.slice_norm(g, 2.0, axes, split)
-        w_norm = norms.slice_norm(p, 2.0, axes, split).astype(g_norm.dtype)
-        floor = jnp.maximum(w_norm, jnp.asarray(eps, g_norm.dtype))
-        allowed = bound.astype(g_norm.dtype) * floor
-        out = norms.scale(g, slices.clip_multiplier(g_norm, allowed))
-        ratio = g_norm / floor
-        clipped = jnp.mean((g_norm > allowed).astype(g_norm.dtype))
-        return out, jnp.max(ratio, initial=0), clipped
-
     def measure(updates, params, bound):
+        """``(clipped updates, max ratio, clipped fraction, finite)``: trees, then a bool."""
         leaves, treedef = jax.tree.flatten(updates)
         param_leaves = treedef.flatten_up_to(params)
         dims = axes_lib.leaf_dims(unit_dim, params)
-        results = [one_leaf(g, p, d, bound) if norms.is_float(g) else (g, None, None)
-                   for g, p, d in zip(leaves, param_leaves, dims)]
-        return tuple(treedef.unflatten([r[i] for r in results]) for i in range(3))
+        floats = [i for i, g in enumerate(leaves) if norms.is_float(g)]
+        slices_ = [(leaves[i], param_leaves[i], _unit_axes(leaves[i], dims[i])) for i in floats]
+        split = norms.split_axes([g for g, _, _ in slices_], axis_name)
+        unit_norms = _unit_norms([(x, axes, sp) for (g, p, axes), sp in zip(slices_, split)
+                                  for x in (g, p)])
+        results = dict(zip(floats, (
+            _clip_leaf(g, unit_norms[2 * k], unit_norms[2 * k + 1], bound, eps)
+            for k, (g, _, _) in enumerate(slices_))))
+        outs = [results.get(i, (g, None, None, None)) for i, g in enumerate(leaves)]
+        finite = stats_lib.all_of([r[3] for r in results.values()])
+        return (*(treedef.unflatten([r[n] for r in outs]) for n in range(3)), finite)
 
     def init_fn(params):
         ratio, clipped = stats_lib.zeros_like_params(
-            lambda p: measure(p, p, jnp.ones((), norms.stat_dtype()))[1:], params)
+            lambda p: measure(p, p, jnp.ones((), norms.stat_dtype()))[1:3], params)
         return AdaptiveGradClipState(jnp.zeros([], jnp.int32), ratio, clipped,
                                      jnp.zeros([], jnp.int32))
 
@@ -201,11 +195,66 @@ def adaptive_grad_clip(
             raise ValueError("adaptive_grad_clip needs the parameters: call "
                              "update(updates, state, params)")
         bound = checks.resolve(clipping, state.count, norms.stat_dtype())
-        new_updates, ratio, clipped = measure(updates, params, bound)
-        finite = stats_lib.all_finite(updates, axis_name)
+        # The gradient norms see every NaN/Inf: no separate pass over the gradients to find one.
+        new_updates, ratio, clipped, finite = measure(updates, params, bound)
+        finite = norms.all_true(finite, axis_name)
         return new_updates, AdaptiveGradClipState(
             optax.safe_increment(state.count), stats_lib.keep_finite(ratio, state.max_ratio),
             stats_lib.keep_finite(clipped, state.clipped),
             stats_lib.count_nonfinite(state.nonfinite, finite))
 
     return checks.transformation(init_fn, update_fn)
+
+
+def _unit_axes(g: jax.Array, leaf_dim: Any) -> tuple[int, ...]:
+    axes = axes_lib.reduction_axes(g.ndim, leaf_dim)
+    return () if axes is None else axes
+
+
+def _unit_norms(slices_: list[tuple[jax.Array, tuple[int, ...], tuple[str, ...]]]
+                ) -> list[jax.Array]:
+    """The L2 norm of every unit (keepdims, wide dtype) of each ``(array, axes, split)``.
+
+    One plain sum of squares per array, the arrays read once; only on a step where some sum
+    overflowed (one scalar test for all, ``lax.cond``) are the sums of the arrays scaled by
+    ``2**-k`` taken as well, for the units whose plain sum overflowed. A NaN/Inf element
+    leaves its unit's norm non-finite either way.
+    """
+    def unit_sum(x, axes, split, scaled=False):
+        wide = x.astype(norms.acc_dtype(x.dtype))
+        if scaled:
+            wide = wide * jnp.asarray(2.0 ** -_SHIFT[wide.dtype], wide.dtype)
+        total = jax.lax.reduce(jnp.square(wide), jnp.zeros((), wide.dtype), jax.lax.add, axes)
+        return norms.across(jnp.expand_dims(total, axes), "sum", split)
+
+    if not slices_:
+        return []
+    quick = [norms.safe_sqrt(unit_sum(*item)) for item in slices_]
+    # A sum of norms is infinite exactly when one is (no sum of finite norms overflows).
+    overflow = jnp.isinf(norms.tree_sum([jnp.sum(n) for n in quick]))
+
+    def rescued():
+        return [jnp.where(jnp.isinf(n), norms.safe_sqrt(unit_sum(x, axes, split, True))
+                          * jnp.asarray(2.0 ** _SHIFT[n.dtype], n.dtype), n)
+                for n, (x, axes, split) in zip(quick, slices_)]
+
+    return list(jax.lax.cond(overflow, rescued, lambda: quick))
+
+
+# Powers of two that scale a finite element's square, and the sum of up to 2**40 of them, into
+# the dtype's range (float32: (2**128 * 2**-86)**2 * 2**40 = 2**124).
+_SHIFT = {jnp.dtype(jnp.float32): 86, jnp.dtype(jnp.float64): 540}
+
+
+def _clip_leaf(g: jax.Array, g_norm: jax.Array, w_norm: jax.Array, bound: jax.Array,
+               eps: float) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``(clipped g, max ratio, clipped fraction, finite)`` for one float leaf from its unit
+    norms (``finite``: every unit norm of ``g`` is finite)."""
+    w_norm = w_norm.astype(g_norm.dtype)
+    floor = jnp.maximum(w_norm, jnp.asarray(eps, g_norm.dtype))
+    allowed = bound.astype(g_norm.dtype) * floor
+    out = norms.scale(g, slices.clip_multiplier(g_norm, allowed))
+    ratio = g_norm / floor
+    # One sum counts the clipped units and sees a non-finite norm (``norm * 0`` is NaN there).
+    hits = jnp.sum((g_norm > allowed).astype(g_norm.dtype) + g_norm * 0)
+    return out, jnp.max(ratio, initial=0), hits / max(g_norm.size, 1), jnp.isfinite(hits)

@@ -271,3 +271,17 @@ def test_shard_map_loss_that_differs_between_devices_is_averaged():
     mean, norm = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")),
                                        out_specs=(P(), P())))(jnp.ones((8, 4)), jnp.arange(8.0))
     assert float(mean) == 3.5 and float(norm) == pytest.approx(32 ** 0.5)
+
+
+def test_a_donated_step_writes_the_state_in_place():
+    """With the gradients and the state donated, no buffer the size of a leaf is copied: the
+    skipped branch hands its operands back and the updates are zeroed after the cond (a cond
+    whose branch builds new zeros makes XLA copy the updates, or the moments, after it)."""
+    tx = optclip.skip_spikes(optax.adam(LR), warmup_steps=2)
+    params = {"w": jnp.zeros((64, 32)), "b": jnp.zeros((32,))}
+    state = tx.init(params)
+    text = jax.jit(tx.update, donate_argnums=(0, 1)).lower(params, state, params).compile(
+    ).as_text()
+    copies = [line for line in text.splitlines()
+              if " copy(" in line and ("f32[64,32]" in line or "f32[32]" in line)]
+    assert not copies, copies
