@@ -291,8 +291,8 @@ def clip_value(value: ScalarOrSchedule, axis_name: AxisName = None
     def update_fn(updates, state, params=None):
         del params
         bound = checks.resolve(value, state.count)
-        # Step time: on large leaves XLA:CPU's integer maximum (norms.leaf_peaks_finite) ran
-        # about 2x slower than a float maximum plus a finiteness sum: keep those two reductions.
+        # Step time: on large leaves XLA:CPU's integer maximum of the magnitude bits (one
+        # NaN-exact reduction) ran about 2x slower than a float maximum plus a finiteness sum.
         leaves, treedef = jax.tree.flatten(updates)
         floats = [g for g in leaves if norms.is_float(g)]
         peaks = [norms.leaf_norm(g, float("inf"), axis_name) for g in floats]

@@ -311,22 +311,6 @@ def _leafwise(leaves, old, floats, move, state, treedef, rule: _Rule):
     return ok, rows, {name: trees.unflatten_at(treedef, v) for name, v in fields.items()}
 
 
-# Sums of squares are also taken scaled by 2**-k (exact: a power of two): no finite input of up
-# to 2**40 elements overflows the scaled sum, which holds the norm where the plain one overflowed.
-_SHIFT = {jnp.dtype(jnp.float32): 86, jnp.dtype(jnp.float64): 540}
-# Leaves up to this many elements get all four sums (plain and scaled, of the update and of the
-# moved EMA) from one variadic reduce, which XLA:CPU runs as one sequential loop (exact enough
-# at this size); larger leaves get the plain sums, and the scaled ones only on overflow.
-_PAIR_MAX_ELEMENTS = 1 << 12
-
-
-def _root(plain: jax.Array, scaled: jax.Array, shift: int) -> jax.Array:
-    """``sqrt(plain)``, or ``sqrt(scaled) 2**shift`` where ``plain`` overflowed."""
-    over = plain == jnp.inf
-    return norms.safe_sqrt(jnp.where(over, scaled, plain)) * jnp.where(
-        over, jnp.asarray(2.0 ** shift, plain.dtype), jnp.ones((), plain.dtype))
-
-
 def _l2_norms(xs: list, moved: list, split: list) -> list[tuple[jax.Array, jax.Array]]:
     """Per leaf, the L2 norms (0-d) of the update ``xs[k]`` and of the moved EMA
     ``moved[k]()`` (built from ``xs[k]`` and its EMA), with no per-leaf branch.
@@ -337,10 +321,10 @@ def _l2_norms(xs: list, moved: list, split: list) -> list[tuple[jax.Array, jax.A
     overflowed (instead of the two conds, one per list of norms, that measured every leaf
     again).
     """
-    small = [x.size <= _PAIR_MAX_ELEMENTS for x in xs]
+    small = [x.size <= norms.PAIR_MAX_ELEMENTS for x in xs]
 
     def down(dtype):
-        return jnp.asarray(2.0 ** -_SHIFT[jnp.dtype(dtype)], dtype)
+        return jnp.asarray(2.0 ** -norms.SCALE_SHIFT[jnp.dtype(dtype)], dtype)
 
     def squares(k):
         m = moved[k]()
@@ -370,8 +354,9 @@ def _l2_norms(xs: list, moved: list, split: list) -> list[tuple[jax.Array, jax.A
         overflow = jnp.any(jnp.isinf(norms.gather_scalars([v for k in large for v in plain[k]])))
         zero = [tuple(jnp.zeros_like(v) for v in plain[k]) for k in large]
         scaled.update(zip(large, jax.lax.cond(overflow, scaled_large, lambda: zero)))
-    shift = _SHIFT[jnp.dtype(plain[0][0].dtype)]
-    return [tuple(_root(plain[k][n], scaled[k][n], shift) for n in (0, 1)) for k in everything]
+    shift = norms.SCALE_SHIFT[jnp.dtype(plain[0][0].dtype)]
+    return [tuple(norms.root_of_squares(plain[k][n], scaled[k][n], shift) for n in (0, 1))
+            for k in everything]
 
 
 def _group_size(group: Any, axis_name: AxisName) -> int:

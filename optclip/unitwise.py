@@ -223,7 +223,7 @@ def _unit_norms(slices_: list[tuple[jax.Array, tuple[int, ...], tuple[str, ...]]
     def unit_sum(x, axes, split, scaled=False):
         wide = x.astype(norms.acc_dtype(x.dtype))
         if scaled:
-            wide = wide * jnp.asarray(2.0 ** -_SHIFT[wide.dtype], wide.dtype)
+            wide = wide * jnp.asarray(2.0 ** -norms.SCALE_SHIFT[wide.dtype], wide.dtype)
         total = jax.lax.reduce(jnp.square(wide), jnp.zeros((), wide.dtype), jax.lax.add, axes)
         return norms.across(jnp.expand_dims(total, axes), "sum", split)
 
@@ -235,15 +235,10 @@ def _unit_norms(slices_: list[tuple[jax.Array, tuple[int, ...], tuple[str, ...]]
 
     def rescued():
         return [jnp.where(jnp.isinf(n), norms.safe_sqrt(unit_sum(x, axes, split, True))
-                          * jnp.asarray(2.0 ** _SHIFT[n.dtype], n.dtype), n)
+                          * jnp.asarray(2.0 ** norms.SCALE_SHIFT[n.dtype], n.dtype), n)
                 for n, (x, axes, split) in zip(quick, slices_)]
 
     return list(jax.lax.cond(overflow, rescued, lambda: quick))
-
-
-# Powers of two that scale a finite element's square, and the sum of up to 2**40 of them, into
-# the dtype's range (float32: (2**128 * 2**-86)**2 * 2**40 = 2**124).
-_SHIFT = {jnp.dtype(jnp.float32): 86, jnp.dtype(jnp.float64): 540}
 
 
 def _clip_leaf(g: jax.Array, g_norm: jax.Array, w_norm: jax.Array, bound: jax.Array,

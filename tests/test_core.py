@@ -254,38 +254,6 @@ def test_transformation_with_extra_args_forwards_them_and_keeps_the_tree_contrac
                           optax.GradientTransformationExtraArgs)
 
 
-def _peak_cases():
-    nan, inf = float("nan"), float("inf")
-    return [jnp.array([1.0, -3.0, 2.0]), jnp.array([[1.0, nan], [-inf, 2.0]]),
-            jnp.array([inf, -1.0]), jnp.array([-inf, 5.0]), jnp.zeros((0,)), jnp.array(-5.0),
-            jnp.array([1.0, -7.5], jnp.bfloat16), jnp.array([-0.0, 0.0]),
-            jnp.array([3e38, -3.4e38], jnp.float32)] + [
-        jnp.arange(12.0).reshape(3, 4) * (i - 20) for i in range(40)]
-
-
-@pytest.mark.parametrize("group", [True, False])
-def test_leaf_peaks_give_max_abs_and_finiteness_from_one_reduction(group, monkeypatch):
-    """max|x| read off the magnitude bits: NaN beats inf beats every finite value, exactly, and
-    the step-wide flag says whether every leaf is finite (per dtype, also bf16)."""
-    monkeypatch.setattr(norms, "_may_group", lambda: group)
-    leaves = _peak_cases()
-    peaks_finite = jax.jit(lambda t: norms.leaf_peaks_finite(t))    # traced afresh per case
-    peaks, finite = peaks_finite(leaves)
-    for x, p in zip(leaves, peaks):
-        a = np.abs(np.asarray(x, np.float64)).ravel()
-        expected = np.nan if np.isnan(a).any() else (a.max() if a.size else 0.0)
-        np.testing.assert_array_equal(np.asarray(p, np.float64), expected)
-        assert p.dtype == jnp.float32 and p.shape == ()
-    assert not bool(finite)
-    clean = [x for x in leaves if np.isfinite(np.asarray(x, np.float64)).all()]
-    assert bool(peaks_finite(clean)[1])
-    bad_bf16 = clean + [jnp.array([1.0, float("inf")], jnp.bfloat16)]
-    assert not bool(peaks_finite(bad_bf16)[1])
-    text = jax.jit(lambda t: norms.leaf_peaks(t)).lower(leaves).as_text()
-    # Grouped: one reduce per shape and dtype (the 40 (3, 4) leaves: two groups of 32 at most).
-    assert text.count("stablehlo.reduce") == (8 if group else len(leaves))
-
-
 @pytest.mark.parametrize("group", [True, False])
 def test_all_finite_on_per_leaf_scalars_and_grouped_leaves(group, monkeypatch):
     monkeypatch.setattr(norms, "_may_group", lambda: group)
@@ -316,7 +284,7 @@ def test_leaf_l2_norms_list_vector_and_builder_agree(group, monkeypatch):
     monkeypatch.setattr(norms, "_may_group", lambda: group)
     rng = np.random.default_rng(4)
     leaves = [jnp.asarray(rng.normal(size=(3, 4)), jnp.float32) for _ in range(6)]
-    leaves += [jnp.asarray(rng.normal(size=(norms._PAIR_MAX_ELEMENTS + 3,)), jnp.float32),
+    leaves += [jnp.asarray(rng.normal(size=(norms.PAIR_MAX_ELEMENTS + 3,)), jnp.float32),
                jnp.zeros((2, 2)), jnp.array(-2.5)]
     for scale in (1.0, 1e30):
         xs = [x * scale for x in leaves]

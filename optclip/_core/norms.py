@@ -205,14 +205,14 @@ def _power_norm(ord: float | str) -> bool:
 # and where the plain sum overflowed, the scaled one holds the norm. Powers of two keep the
 # scaling exact; elements so small that their scaled squares underflow are below the
 # precision of a norm that overflowed the plain sum.
-_SHIFT = {jnp.dtype(jnp.float32): 86, jnp.dtype(jnp.float64): 540}
+SCALE_SHIFT = {jnp.dtype(jnp.float32): 86, jnp.dtype(jnp.float64): 540}
 # Arrays up to this many elements get both sums from one variadic reduce: one kernel and one
 # read of the data instead of two of each (XLA:CPU also splits each plain sum into two
 # kernels). XLA:CPU runs a variadic reduce as one sequential loop, exact to rounding at this
 # size but not for large arrays (measured on float32: relative error 1e-6 at 65536 elements,
 # 6e-2 at 38M, where the plain sums stay near 1e-8), so larger arrays keep the two sums; so
 # do arrays where several devices are visible (see _may_group).
-_PAIR_MAX_ELEMENTS = 1 << 12
+PAIR_MAX_ELEMENTS = 1 << 12
 
 
 def _add_pairs(a: tuple, b: tuple) -> tuple:
@@ -224,7 +224,7 @@ def _squares(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``x²`` and ``(x 2**-k)²``, the two quantities a scale-safe sum of squares accumulates."""
     # Through a max: XLA's simplifier rewrites (x c) (x c) into (x x) (c c), where c² underflows
     # to 0 (NaN for a one-element array whose square overflowed).
-    down = jnp.maximum(jnp.abs(x) * jnp.asarray(2.0 ** -_SHIFT[x.dtype], x.dtype), 0)
+    down = jnp.maximum(jnp.abs(x) * jnp.asarray(2.0 ** -SCALE_SHIFT[x.dtype], x.dtype), 0)
     return jax.lax.mul(x, x), jax.lax.mul(down, down)
 
 
@@ -232,12 +232,12 @@ def _sum_squares(x: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Ar
     """Plain and scaled sums of squares of ``x`` over ``axes`` (reduced axes dropped)."""
     squares = _squares(x)
     zero = jnp.zeros((), x.dtype)
-    if x.size <= _PAIR_MAX_ELEMENTS and _may_group():
+    if x.size <= PAIR_MAX_ELEMENTS and _may_group():
         return tuple(jax.lax.reduce(squares, (zero, zero), _add_pairs, axes))
     return tuple(jax.lax.reduce(v, zero, jax.lax.add, axes) for v in squares)
 
 
-def _root_of_squares(plain: jax.Array, scaled: jax.Array, shift: int) -> jax.Array:
+def root_of_squares(plain: jax.Array, scaled: jax.Array, shift: int) -> jax.Array:
     """``sqrt(plain)``, or ``sqrt(scaled) * 2**shift`` where ``plain`` overflowed.
 
     One root (whose derivative is finite at 0) for both cases, built from ``lax`` operations:
@@ -255,18 +255,18 @@ def root_sum_squares(x: jax.Array, total: Callable[[jax.Array], jax.Array] | Non
     """``sqrt(Σ x²)`` (over ``axis`` with ``keepdims`` as ``jnp.sum`` takes them, or with
     ``total`` as the sum), finite and right up to ``x``'s dtype range.
 
-    Two sums of squares, plain and scaled (:data:`_SHIFT`); for arrays of up to
-    ``_PAIR_MAX_ELEMENTS`` elements both come from one variadic reduce.
+    Two sums of squares, plain and scaled (:data:`SCALE_SHIFT`); for arrays of up to
+    ``PAIR_MAX_ELEMENTS`` elements both come from one variadic reduce.
     """
     if total is not None:
-        return _root_of_squares(*(total(v) for v in _squares(x)), _SHIFT[x.dtype])
+        return root_of_squares(*(total(v) for v in _squares(x)), SCALE_SHIFT[x.dtype])
     axis = reduce.pop("axis", None)
     keepdims = reduce.pop("keepdims", False)
     if reduce:
         raise TypeError(f"root_sum_squares takes axis and keepdims, got {sorted(reduce)}")
     axes = tuple(range(x.ndim)) if axis is None else tuple(
         a % x.ndim for a in (axis if isinstance(axis, tuple) else (axis,)))
-    norm = _root_of_squares(*_sum_squares(x, axes), _SHIFT[x.dtype])
+    norm = root_of_squares(*_sum_squares(x, axes), SCALE_SHIFT[x.dtype])
     return jnp.expand_dims(norm, axes) if keepdims else norm
 
 
@@ -349,7 +349,7 @@ def _slice_root_sum_squares(x: jax.Array, axes: tuple[int, ...],
     """:func:`root_sum_squares` of every slice (keepdims), the sums combined across ``split``."""
     plain, scaled = (across(jnp.expand_dims(v, axes), "sum", split)
                      for v in _sum_squares(x, axes))
-    return _root_of_squares(plain, scaled, _SHIFT[x.dtype])
+    return root_of_squares(plain, scaled, SCALE_SHIFT[x.dtype])
 
 
 def sees_nonfinite(ord: float | str) -> bool:
@@ -398,7 +398,7 @@ def leaf_l2_norms(leaves: list[jax.Array] | Callable[[], list[jax.Array]],
 
     The one per-leaf L2 routine: a list of 0-d norms in the wide dtype, or with ``vector=True``
     one vector (the roots then taken once, on the vector). Each leaf is reduced once: small
-    leaves give the plain and the scaled sums of squares (:data:`_SHIFT`) from one variadic
+    leaves give the plain and the scaled sums of squares (:data:`SCALE_SHIFT`) from one variadic
     reduce shared with same-shape leaves (:func:`leaf_reductions`); larger leaves give the plain
     sum, and their scaled sums are computed only when some plain sum overflowed (one scalar
     ``lax.cond`` for all leaves). The sums are combined across the mesh axes ``axis_name``
@@ -413,7 +413,7 @@ def leaf_l2_norms(leaves: list[jax.Array] | Callable[[], list[jax.Array]],
         return gather_scalars([n.astype(stat_dtype()) for n in each]) if vector else each
     split = split_axes(arrays, axis_name)
     plain, scaled, lazy = _square_partials(arrays, build)
-    shift = _SHIFT[acc_dtype(arrays[0].dtype)]
+    shift = SCALE_SHIFT[acc_dtype(arrays[0].dtype)]
 
     def combined(values):
         return [across(v, "sum", axes) for v, axes in zip(values, split)]
@@ -421,11 +421,11 @@ def leaf_l2_norms(leaves: list[jax.Array] | Callable[[], list[jax.Array]],
     plain = combined(plain)
     if vector:
         plain = gather_scalars(plain)
-        return _root_of_squares(plain, _when_overflowed(
+        return root_of_squares(plain, _when_overflowed(
             jnp.isinf(plain), lambda: gather_scalars(combined(scaled())), plain, lazy), shift)
     overflow = jnp.isinf(gather_scalars(plain)) if lazy else None
     scaled = _when_overflowed(overflow, lambda: combined(scaled()), plain, lazy)
-    return [_root_of_squares(p, q, shift) for p, q in zip(plain, scaled)]
+    return [root_of_squares(p, q, shift) for p, q in zip(plain, scaled)]
 
 
 # Same-shape leaves reduced by one variadic reduce, at most this many at a time (compile time
@@ -479,7 +479,7 @@ def leaf_reductions(arrays: list[jax.Array], prepare: Callable[[jax.Array], Any]
     def reduce(group: list[int]) -> None:
         operands = tuple(v for i in group for v in parts[i])
         first = operands[0]
-        if len(operands) == 1 or (len(group) == 1 and (first.size > _PAIR_MAX_ELEMENTS
+        if len(operands) == 1 or (len(group) == 1 and (first.size > PAIR_MAX_ELEMENTS
                                                         or not _may_group())):
             outs = [jax.lax.reduce(v, _identity(init, v.dtype), op, tuple(range(v.ndim)))
                     for v in operands]
@@ -502,52 +502,6 @@ def leaf_reductions(arrays: list[jax.Array], prepare: Callable[[jax.Array], Any]
         for start in range(0, len(members), _GROUP_SIZE):
             reduce(members[start:start + _GROUP_SIZE])
     return results
-
-
-def magnitude_bits(x: jax.Array) -> jax.Array:
-    """The bits of ``|x|`` as a signed integer (``x`` float16, bfloat16, float32 or float64).
-
-    Non-negative floats order like their bit patterns, and a NaN's magnitude bits lie above
-    ``inf``'s: the integer maximum of these bits is ``max |x|`` and is NaN's (or ``inf``'s) as
-    soon as one element is, exactly, whatever the order of the reduction (a float maximum may
-    skip NaN on XLA:CPU).
-    """
-    itype = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[jnp.dtype(x.dtype).itemsize]
-    bits = jax.lax.bitcast_convert_type(x, itype)
-    return jax.lax.bitwise_and(bits, jnp.asarray(jnp.iinfo(itype).max, itype))
-
-
-def leaf_peaks(leaves: list[jax.Array], axis_name: AxisName = None) -> list[jax.Array]:
-    """``max |x|`` of every floating array in ``leaves`` (0-d, wide dtype; 0 for empty arrays),
-    also telling whether the array is finite: the peak is NaN when some element is NaN, else
-    ``inf`` when some element is infinite, and finite exactly when every element is.
-
-    One reduction per array and one read of it: the integer maximum of :func:`magnitude_bits`
-    (small arrays of one shape share one variadic reduce, :func:`leaf_reductions`), combined
-    across the mesh axes ``axis_name`` names (an integer ``pmax``, exact), so no separate
-    finiteness test is needed.
-    """
-    return leaf_peaks_finite(leaves, axis_name)[0]
-
-
-def leaf_peaks_finite(leaves: list[jax.Array], axis_name: AxisName = None
-                      ) -> tuple[list[jax.Array], jax.Array]:
-    """:func:`leaf_peaks`, and a scalar bool: every array is finite (on every device along
-    ``axis_name``). The flag is read off the peaks' bits gathered into one vector, so it costs
-    no per-leaf work."""
-    split = split_axes(leaves, axis_name)
-    bits = [across(b, "max", axes) for b, axes in
-            zip(leaf_reductions(leaves, magnitude_bits, "max"), split)]
-    peaks = [_wide(jax.lax.bitcast_convert_type(jnp.maximum(b, 0), x.dtype))
-             for b, x in zip(bits, leaves)]
-    by_dtype: dict[Any, list[jax.Array]] = collections.defaultdict(list)
-    for b, x in zip(bits, leaves):
-        by_dtype[jnp.dtype(x.dtype)].append(b)
-    finite = jnp.asarray(True)
-    for dtype, group in by_dtype.items():
-        inf_bits = magnitude_bits(jnp.asarray(jnp.inf, dtype))
-        finite = finite & jnp.all(gather_scalars(group) < inf_bits)
-    return peaks, finite
 
 
 def float_leaves(tree: Any) -> list[jax.Array]:
@@ -634,7 +588,7 @@ def global_norm(tree: Any, ord: float | str = 2.0, axis_name: AxisName = None) -
         total = tree_sum(plain, split)
         scaled_total = _when_overflowed(jnp.isinf(total), lambda: tree_sum(scaled(), split),
                                         total, lazy)
-        return _root_of_squares(total, scaled_total, _SHIFT[acc_dtype(leaves[0].dtype)])
+        return root_of_squares(total, scaled_total, SCALE_SHIFT[acc_dtype(leaves[0].dtype)])
     if not (_power_norm(ord) or ord in (2.0, "std")):
         return _plain_global_norm(leaves, ord, split)
 
@@ -655,7 +609,7 @@ def _one_wide_dtype(leaves: list[jax.Array]) -> bool:
 def _square_partials(leaves: list[jax.Array], build: Callable[[], list] | None = None
                      ) -> tuple[list[jax.Array], Callable[[], list], bool]:
     """Per leaf, the plain sum of squares, and a function giving the scaled sums (see
-    :data:`_SHIFT`): each leaf is read once.
+    :data:`SCALE_SHIFT`): each leaf is read once.
 
     Small leaves on a single device get both sums from one variadic reduce, so their scaled
     sums come for free; a large leaf's scaled sum is a second read of it, so the function
@@ -664,7 +618,7 @@ def _square_partials(leaves: list[jax.Array], build: Callable[[], list] | None =
     ``build`` (optional) rebuilds ``leaves`` inside that call, so that leaves computed from
     others are recomputed there rather than kept for it.
     """
-    paired = [x.size <= _PAIR_MAX_ELEMENTS and _may_group() for x in leaves]
+    paired = [x.size <= PAIR_MAX_ELEMENTS and _may_group() for x in leaves]
     pairs = leaf_reductions([x for x, p in zip(leaves, paired) if p],
                             lambda x: _squares(_wide(x)))
     singles = [x for x, p in zip(leaves, paired) if not p]
