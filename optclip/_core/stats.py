@@ -41,8 +41,14 @@ def diagnostic(name: str, fields: tuple[str, ...], per_leaf: tuple[str, ...] = (
 
 
 def _is_scalar(value: Any) -> bool:
-    """One array of one element, not inside a container (a per-leaf tree, even of one leaf)."""
-    return jax.tree_util.treedef_is_leaf(jax.tree.structure(value)) and jnp.size(value) == 1
+    """One array of one element, not inside a container (a per-leaf tree, even of one leaf).
+
+    A flax ``Variable`` (how ``nnx.Optimizer`` holds each array of its optax state) counts as
+    the array it wraps, so the nnx optimizer's state reads exactly as the raw optax state.
+    """
+    structure = jax.tree.structure(value, is_leaf=lambda x: _is_flax(x, "Variable"))
+    return jax.tree_util.treedef_is_leaf(structure) and sum(
+        jnp.size(x) for x in jax.tree.leaves(value)) == 1 and len(jax.tree.leaves(value)) == 1
 
 
 def _summarise(key: str, value: Any, per_leaf: bool) -> dict[str, jax.Array]:
