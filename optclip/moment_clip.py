@@ -210,6 +210,26 @@ def _commit(finite: jax.Array, new: Any, old: Any) -> Any:
     return own._replace(inner=new.inner)
 
 
+def _reset_moments(moments):
+    """SPAM's momentum reset: the adam's ``mu``, ``nu`` and ``count`` zeroed."""
+    return moments._replace(mu=optax.tree.zeros_like(moments.mu),
+                            nu=optax.tree.zeros_like(moments.nu),
+                            count=jnp.zeros_like(moments.count))
+
+
+def _spam_tests(reset: jax.Array, root_theta: jax.Array):
+    """The clip width ``sqrt(theta)`` and the spike test ``|g| > sqrt(theta nu)`` of one step;
+    on a reset step against the reset moments (0): width 0, and any ``|g| > 0`` is a spike.
+    Scalar selects only, none per element."""
+    one, zero = jnp.ones_like(root_theta), jnp.zeros_like(root_theta)
+    inv_width, scale = jnp.where(reset, one, 1 / root_theta), jnp.where(reset, zero, one)
+
+    def excess(g, v):
+        return _squared_excess(g, v, inv_width, scale, zero)
+
+    return jnp.where(reset, zero, root_theta), excess
+
+
 def spam_clip(
     inner: optax.GradientTransformation,
     threshold: checks.ScalarOrSchedule = 5000.0,
@@ -280,11 +300,6 @@ def spam_clip(
             inner_state, zero, jnp.zeros((), norms.stat_dtype(params)), jnp.zeros((), bool),
             jnp.zeros((), bool), zero, zero))
 
-    def reset_moments(moments):
-        return moments._replace(mu=optax.tree.zeros_like(moments.mu),
-                                nu=optax.tree.zeros_like(moments.nu),
-                                count=jnp.zeros_like(moments.count))
-
     def update_fn(updates, state, params=None, **extra_args):
         step = state.count + 1
         reset = (jnp.zeros((), bool) if reset_interval is None
@@ -295,8 +310,7 @@ def spam_clip(
                                                     norms.stat_dtype(updates)))
         nu = _nu_tree(updates, _moment_state(state.inner).nu)
 
-        # Against the reset moments (0) on a reset step; a scalar select, none per element.
-        width = jnp.where(reset, jnp.zeros_like(root_theta), root_theta)
+        width, excess = _spam_tests(reset, root_theta)
 
         def limit(g, v):
             s = _sqrt_nu(v, g)
@@ -306,16 +320,9 @@ def spam_clip(
             inner_state = state.inner
             if reset_interval is not None:
                 inner_state = stats_lib.keep_if(
-                    reset, _map_moment_state(reset_moments, inner_state), inner_state)
+                    reset, _map_moment_state(_reset_moments, inner_state), inner_state)
             return jax.tree.map(lambda g, v: _clip(g, v, limit, active)
                                 if norms.is_float(g) else g, updates, nu), inner_state
-
-        # |g| > sqrt(theta nu), or |g| > 0 against the reset moments.
-        one, zero = jnp.ones_like(root_theta), jnp.zeros_like(root_theta)
-        inv_width = jnp.where(reset, one, 1 / root_theta)
-
-        def excess(g, v):
-            return _squared_excess(g, v, inv_width, jnp.where(reset, zero, one), zero)
 
         fraction, finite = _clip_fraction(updates, nu, excess, active, axis_name)
         out, new_inner = _gated_step(inner, finite, updates, state.inner, params, extra_args,
