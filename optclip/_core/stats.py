@@ -47,8 +47,8 @@ def _is_scalar(value: Any) -> bool:
     the array it wraps, so the nnx optimizer's state reads exactly as the raw optax state.
     """
     structure = jax.tree.structure(value, is_leaf=lambda x: _is_flax(x, "Variable"))
-    return jax.tree_util.treedef_is_leaf(structure) and sum(
-        jnp.size(x) for x in jax.tree.leaves(value)) == 1 and len(jax.tree.leaves(value)) == 1
+    leaves = jax.tree.leaves(value)
+    return jax.tree_util.treedef_is_leaf(structure) and len(leaves) == 1 and jnp.size(leaves[0]) == 1
 
 
 def _summarise(key: str, value: Any, per_leaf: bool) -> dict[str, jax.Array]:
