@@ -48,7 +48,8 @@ def _is_scalar(value: Any) -> bool:
     """
     structure = jax.tree.structure(value, is_leaf=lambda x: _is_flax(x, "Variable"))
     leaves = jax.tree.leaves(value)
-    return jax.tree_util.treedef_is_leaf(structure) and len(leaves) == 1 and jnp.size(leaves[0]) == 1
+    one_leaf = jax.tree_util.treedef_is_leaf(structure) and len(leaves) == 1
+    return one_leaf and jnp.size(leaves[0]) == 1
 
 
 def _summarise(key: str, value: Any, per_leaf: bool) -> dict[str, jax.Array]:
