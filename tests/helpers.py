@@ -24,7 +24,7 @@ def nnx_pure(tree: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
-# The torchzero families (tests/test_ema.py, tests/test_growth.py): spec inputs as lists of
+# The torchzero families (tests/test_ema.py, tests/test_growth.py): reference inputs as lists of
 # leaves, runs step by step, the reference metric, random spiky sequences.
 
 RTOL, ATOL = 1e-6, 1e-9          # the published float32 vectors
@@ -32,7 +32,7 @@ ORACLE_RTOL = 2e-5               # float32 oracle over long random sequences (ul
 
 
 def as_tree(step, dtype=jnp.float32):
-    """A spec input (one leaf, or a list of leaves) as a list of arrays."""
+    """A reference input (one leaf, or a list of leaves) as a list of arrays."""
     if isinstance(step[0], (list, tuple)) or len(step) and isinstance(step[0], np.ndarray):
         return [jnp.asarray(leaf, dtype) for leaf in step]
     return [jnp.asarray(step, dtype)]

@@ -1,4 +1,4 @@
-"""optclip inside the tools JAX users already use (issue 6 §4).
+"""optclip inside the tools JAX users already use.
 
 flax.nnx.Optimizer, optax.inject_hyperparams, optax.MultiSteps, optax.masked / optax.partition,
 optax.apply_if_finite and orbax checkpointing, each with the stateless transforms and with every
