@@ -285,6 +285,41 @@ def _slice_root_sum_squares(x: jax.Array, axes: tuple[int, ...],
     return root_of_squares(plain, scaled, SCALE_SHIFT[x.dtype])
 
 
+def slice_l2_norms(items: list[tuple[jax.Array, tuple[int, ...], tuple[str, ...]]]
+                   ) -> list[jax.Array]:
+    """L2 norm of every slice (keepdims, wide dtype) of each ``(array, axes, split)``: the
+    arrays reduced over ``axes``, the sums combined across the mesh axes ``split``.
+
+    Each array is read once. Small arrays on a single device give the plain and the scaled
+    sums of squares (:data:`SCALE_SHIFT`) from one variadic reduce; larger arrays give the
+    plain sum, and their scaled sums are taken only on a step where some plain sum overflowed
+    (one scalar ``lax.cond`` for all of them). A NaN/Inf element leaves its slice's norm
+    non-finite.
+    """
+    items = [(_wide(x), axes, split) for x, axes, split in items]
+    paired = [x.size <= PAIR_MAX_ELEMENTS and _may_group() for x, _, _ in items]
+    large = iter(_lazy_slice_l2_norms([i for i, p in zip(items, paired) if not p]))
+    return [_slice_root_sum_squares(*i) if p else next(large) for i, p in zip(items, paired)]
+
+
+def _lazy_slice_l2_norms(items: list[tuple[jax.Array, tuple[int, ...], tuple[str, ...]]]
+                         ) -> list[jax.Array]:
+    """:func:`slice_l2_norms` of wide arrays from plain sums, the scaled sums under one cond."""
+    def sums(pick: Callable[[jax.Array], jax.Array]) -> list[jax.Array]:
+        return [across(jnp.expand_dims(jax.lax.reduce(pick(x), jnp.zeros((), x.dtype),
+                                                      jax.lax.add, axes), axes), "sum", split)
+                for x, axes, split in items]
+
+    if not items:
+        return []
+    plain = sums(jax.lax.square)
+    # Per array (a NaN in one array must not hide an overflow in another).
+    overflow = gather_scalars([jnp.any(jnp.isinf(p)) for p in plain])
+    scaled = _when_overflowed(overflow, lambda: sums(lambda x: _squares(x)[1]), plain, True)
+    return [root_of_squares(p, q, SCALE_SHIFT[x.dtype])
+            for p, q, (x, _, _) in zip(plain, scaled, items)]
+
+
 def sees_nonfinite(ord: float | str) -> bool:
     """Whether a NaN or Inf element always makes the metric non-finite.
 
