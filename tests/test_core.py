@@ -332,3 +332,17 @@ def test_slice_l2_norms_scale_safe_on_small_and_large_arrays(group, monkeypatch)
     np.testing.assert_array_equal(finite[0], [[True, False, True, True]])
     np.testing.assert_array_equal(finite[1], [[True, True, False]])
     assert finite[2].all()
+
+
+def test_one_rule_for_floating_leaves_python_floats_count_once_made_arrays():
+    """Which leaves count: arrays of a floating dtype (norms.float_leaves), for norms and the
+    finiteness test alike; a Python float leaf counts once a transform's update has made it a
+    0-d array."""
+    tree = {"w": jnp.array([3.0, 4.0]), "t": float("nan"), "i": jnp.array([1, 2])}
+    assert [x is tree["w"] for x in norms.float_leaves(tree)] == [True]
+    assert bool(optclip._core.stats.all_finite(tree))
+    assert float(norms.global_norm(tree)) == 5.0
+    tx = optclip.clip_value(1.0)
+    state = tx.init({"w": jnp.zeros(2), "t": 0.0, "i": jnp.zeros(2, jnp.int32)})
+    out, state = tx.update(tree, state)
+    assert int(state.nonfinite) == 1 and np.isnan(out["t"])

@@ -473,7 +473,12 @@ def leaf_reductions(arrays: list[jax.Array], prepare: Callable[[jax.Array], Any]
 
 
 def float_leaves(tree: Any) -> list[jax.Array]:
-    """The floating leaves of ``tree``, in order (integer, ``None`` and masked leaves left out)."""
+    """The floating leaves of ``tree``, in order (integer, ``None`` and masked leaves left out).
+
+    The one rule for which leaves take part (:func:`is_float`): arrays of a floating dtype.
+    A Python ``float`` leaf is not an array and is left out here; every transform's ``update``
+    first turns such leaves into 0-d arrays (``checks.transformation``), which then count.
+    """
     return [x for x in jax.tree.leaves(tree) if is_float(x)]
 
 
