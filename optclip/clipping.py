@@ -143,6 +143,20 @@ def _read_first(bound, peak: jax.Array, finite: jax.Array) -> jax.Array:
     return jnp.where(finite & (peak < bound), peak, bound)
 
 
+def _peaks_and_flags(updates, axis_name):
+    """Per float leaf, the largest ``|g|`` (wide dtype) and whether it is finite, as two trees
+    (``None`` at other leaves). Small leaves of one shape share one reduction of each kind
+    (:func:`optclip._core.norms.leaf_reductions`)."""
+    floats = norms.float_leaves(updates)
+    split = norms.split_axes(floats, axis_name)
+    maxima = norms.leaf_reductions(floats, lambda g: jnp.abs(g.astype(norms.acc_dtype(g.dtype))),
+                                   "max")
+    peaks = iter([jnp.maximum(norms.across(m, "max", sp), 0) for m, sp in zip(maxima, split)])
+    sums = iter(norms.leaf_reductions(floats, lambda g: g * jnp.zeros((), g.dtype)))
+    return trees.tree_unzip(lambda g: (next(peaks), next(sums) == 0) if norms.is_float(g)
+                            else (None, None), updates, 2)
+
+
 def _clip_grad_norm(grads, max_norm, ord, dim, inverse_dims, min_size, min_norm, axis_name=None):
     """Returns ``(clipped tree, norms)``; shared by the helper and ``clip_norm``."""
     def multiplier(norm):
@@ -293,12 +307,7 @@ def clip_value(value: ScalarOrSchedule, axis_name: AxisName = None
         bound = checks.resolve(value, state.count)
         # Step time: on large leaves XLA:CPU's integer maximum of the magnitude bits (one
         # NaN-exact reduction) ran about 2x slower than a float maximum plus a finiteness sum.
-        def read(g):
-            if not norms.is_float(g):
-                return None, None
-            return norms.leaf_norm(g, float("inf"), axis_name), stats_lib.leaf_finite(g)
-
-        peak, flag = trees.tree_unzip(read, updates, 2)
+        peak, flag = _peaks_and_flags(updates, axis_name)
         finite = stats_lib.all_of(jax.tree.leaves(flag), axis_name)
         new_updates = jax.tree.map(
             lambda g, p, f: g if p is None else _clamp(g, _read_first(bound, p, f)),
