@@ -143,7 +143,7 @@ def _read_first(bound, peak: jax.Array, finite: jax.Array) -> jax.Array:
     return jnp.where(finite & (peak < bound), peak, bound)
 
 
-def _peaks_and_flags(updates, axis_name):
+def _peaks_and_flags(updates: Any, axis_name: AxisName) -> tuple[Any, Any]:
     """Per float leaf, the largest ``|g|`` (wide dtype) and whether it is finite, as two trees
     (``None`` at other leaves). Small leaves of one shape share one reduction of each kind
     (:func:`optclip._core.norms.leaf_reductions`)."""
