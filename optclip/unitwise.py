@@ -175,8 +175,8 @@ def adaptive_grad_clip(
         floats = [i for i, g in enumerate(leaves) if norms.is_float(g)]
         slices_ = [(leaves[i], param_leaves[i], _unit_axes(leaves[i], dims[i])) for i in floats]
         split = norms.split_axes([g for g, _, _ in slices_], axis_name)
-        unit_norms = _unit_norms([(x, axes, sp) for (g, p, axes), sp in zip(slices_, split)
-                                  for x in (g, p)])
+        unit_norms = norms.slice_l2_norms([(x, axes, sp) for (g, p, axes), sp in zip(slices_, split)
+                                           for x in (g, p)])
         results = dict(zip(floats, (
             _clip_leaf(g, unit_norms[2 * k], unit_norms[2 * k + 1], bound, eps)
             for k, (g, _, _) in enumerate(slices_))))
@@ -209,36 +209,6 @@ def adaptive_grad_clip(
 def _unit_axes(g: jax.Array, leaf_dim: Any) -> tuple[int, ...]:
     axes = axes_lib.reduction_axes(g.ndim, leaf_dim)
     return () if axes is None else axes
-
-
-def _unit_norms(slices_: list[tuple[jax.Array, tuple[int, ...], tuple[str, ...]]]
-                ) -> list[jax.Array]:
-    """The L2 norm of every unit (keepdims, wide dtype) of each ``(array, axes, split)``.
-
-    One plain sum of squares per array, the arrays read once; only on a step where some sum
-    overflowed (one scalar test for all, ``lax.cond``) are the sums of the arrays scaled by
-    ``2**-k`` taken as well, for the units whose plain sum overflowed. A NaN/Inf element
-    leaves its unit's norm non-finite either way.
-    """
-    def unit_sum(x, axes, split, scaled=False):
-        wide = x.astype(norms.acc_dtype(x.dtype))
-        if scaled:
-            wide = wide * jnp.asarray(2.0 ** -norms.SCALE_SHIFT[wide.dtype], wide.dtype)
-        total = jax.lax.reduce(jnp.square(wide), jnp.zeros((), wide.dtype), jax.lax.add, axes)
-        return norms.across(jnp.expand_dims(total, axes), "sum", split)
-
-    if not slices_:
-        return []
-    quick = [norms.safe_sqrt(unit_sum(*item)) for item in slices_]
-    # A sum of norms is infinite exactly when one is (no sum of finite norms overflows).
-    overflow = jnp.isinf(norms.tree_sum([jnp.sum(n) for n in quick]))
-
-    def rescued():
-        return [jnp.where(jnp.isinf(n), norms.safe_sqrt(unit_sum(x, axes, split, True))
-                          * jnp.asarray(2.0 ** norms.SCALE_SHIFT[n.dtype], n.dtype), n)
-                for n, (x, axes, split) in zip(quick, slices_)]
-
-    return list(jax.lax.cond(overflow, rescued, lambda: quick))
 
 
 def _clip_leaf(g: jax.Array, g_norm: jax.Array, w_norm: jax.Array, bound: jax.Array,

@@ -306,3 +306,43 @@ def test_leaf_l2_norms_list_vector_and_builder_agree(group, monkeypatch):
         assert len(built) == 2          # once for the sums, once inside the overflow branch
         np.testing.assert_allclose(jax.jit(lambda t: norms.global_norm(t))(xs),
                                    np.sqrt(np.sum(expected ** 2)), rtol=2e-6)
+
+
+@pytest.mark.parametrize("group", [True, False])
+def test_slice_l2_norms_scale_safe_on_small_and_large_arrays(group, monkeypatch):
+    """Per-slice L2 norms (one variadic pair for small arrays, plain sums with the scaled ones
+    under one overflow cond for large arrays) are right where a plain sum of squares overflows,
+    and a NaN/Inf element makes its own slice's norm non-finite and no other."""
+    monkeypatch.setattr(norms, "_may_group", lambda: group)
+    rng = np.random.default_rng(5)
+    arrays = [jnp.asarray(rng.normal(size=(6, 4)), jnp.float32),
+              jnp.asarray(rng.normal(size=(norms.PAIR_MAX_ELEMENTS // 2 + 1, 3)), jnp.float32),
+              jnp.asarray(rng.normal(size=(5,)), jnp.float32)]
+    axes = [(0,), (0,), ()]
+    norm_fn = jax.jit(lambda xs: norms.slice_l2_norms([(x, a, ()) for x, a in zip(xs, axes)]))
+    for scale in (1.0, 1e20, 1e30):
+        xs = [x * scale for x in arrays]
+        for x, a, got in zip(xs, axes, norm_fn(xs)):
+            wide = np.asarray(x, np.float64)
+            expected = np.sqrt(np.sum(wide * wide, axis=a, keepdims=True))
+            assert got.shape == expected.shape and got.dtype == jnp.float32
+            np.testing.assert_allclose(np.asarray(got, np.float64), expected, rtol=2e-6)
+    bad = [arrays[0].at[2, 1].set(jnp.nan), arrays[1].at[7, 2].set(jnp.inf), arrays[2]]
+    finite = [np.isfinite(np.asarray(n)) for n in norm_fn(bad)]
+    np.testing.assert_array_equal(finite[0], [[True, False, True, True]])
+    np.testing.assert_array_equal(finite[1], [[True, True, False]])
+    assert finite[2].all()
+
+
+def test_one_rule_for_floating_leaves_python_floats_count_once_made_arrays():
+    """Which leaves count: arrays of a floating dtype (norms.float_leaves), for norms and the
+    finiteness test alike; a Python float leaf counts once a transform's update has made it a
+    0-d array."""
+    tree = {"w": jnp.array([3.0, 4.0]), "t": float("nan"), "i": jnp.array([1, 2])}
+    assert [x is tree["w"] for x in norms.float_leaves(tree)] == [True]
+    assert bool(optclip._core.stats.all_finite(tree))
+    assert float(norms.global_norm(tree)) == 5.0
+    tx = optclip.clip_value(1.0)
+    state = tx.init({"w": jnp.zeros(2), "t": 0.0, "i": jnp.zeros(2, jnp.int32)})
+    out, state = tx.update(tree, state)
+    assert int(state.nonfinite) == 1 and np.isnan(out["t"])

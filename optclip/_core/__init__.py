@@ -1,5 +1,6 @@
-"""Shared machinery of optclip: axes, norms, validation and diagnostics. No transform lives here."""
+"""Shared machinery of optclip: axes, mesh axes, norms, validation and diagnostics. No transform
+lives here."""
 
-from optclip._core import axes, checks, norms, stats
+from optclip._core import axes, checks, mesh, norms, stats
 
-__all__ = ["axes", "checks", "norms", "stats"]
+__all__ = ["axes", "checks", "mesh", "norms", "stats"]

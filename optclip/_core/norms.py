@@ -28,6 +28,15 @@ import numpy as np
 
 from optclip._core import checks
 
+# The mesh names stay importable from here, where the families read them.
+from optclip._core.mesh import AxisName as AxisName
+from optclip._core.mesh import across as across
+from optclip._core.mesh import all_true as all_true
+from optclip._core.mesh import any_true as any_true
+from optclip._core.mesh import axes_size as axes_size
+from optclip._core.mesh import check_axis_name as check_axis_name
+from optclip._core.mesh import split_axes as split_axes
+
 Ord = int | float | str
 STRING_ORDS = ("l0", "l1", "l2", "l3", "l4", "linf", "mad", "std", "var", "sum")
 _NAMED_NUMBERS = {"l0": 0.0, "l1": 1.0, "l2": 2.0, "l3": 3.0, "l4": 4.0, "linf": math.inf}
@@ -88,82 +97,6 @@ def stat_dtype(tree: Any = None) -> jnp.dtype:
     if tree is None or any(acc_dtype(x.dtype) == jnp.float64 for x in float_leaves(tree)):
         return jnp.dtype(jnp.float64)
     return jnp.dtype(jnp.float32)
-
-
-AxisName = str | tuple[str, ...] | None
-
-
-def check_axis_name(axis_name: Any) -> None:
-    """Construction-time validation of ``axis_name``: ``None``, a name or a tuple of names."""
-    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    if axis_name is not None and not all(isinstance(n, str) and n for n in names):
-        raise TypeError("axis_name must be None, a mesh axis name (str) or a tuple of names; "
-                        f"got {axis_name!r}")
-
-
-def _varying(x: Any) -> frozenset:
-    """The manual mesh axes ``x``'s type says it varies over (empty where jax does not track)."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
-    return frozenset(vma)
-
-
-def split_axes(leaves: list, axis_name: AxisName) -> list[tuple[str, ...]]:
-    """Per leaf, the named mesh axes its elements are split over (inside shard_map or pmap).
-
-    Where jax tracks which values vary across devices (``shard_map`` with its default
-    ``check_vma=True``), a leaf that does not vary over a named axis (a replicated bias, say)
-    holds the same elements on every device and is counted once. Where it does not track
-    (``pmap``, ``check_vma=False``) every leaf is taken to be split over all named axes.
-    Outside ``shard_map``/``pmap`` (axis names unbound, e.g. ``init`` called on the global
-    arrays) nothing is split.
-    """
-    if axis_name is None:
-        return [()] * len(leaves)
-    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    try:
-        index = jax.lax.axis_index(names)
-    except NameError:  # not inside shard_map/pmap: the arrays are whole
-        return [()] * len(leaves)
-    if not _varying(index):
-        return [names] * len(leaves)
-    return [tuple(n for n in names if n in _varying(x)) for x in leaves]
-
-
-def axes_size(split: tuple[str, ...]) -> int:
-    """Number of devices along the named mesh axes (1 for none)."""
-    return math.prod(jax.lax.axis_size(n) for n in split)
-
-
-def across(value: jax.Array, kind: str, split: tuple[str, ...]) -> jax.Array:
-    """Combine a partial ``kind`` reduction (``'sum'``, ``'max'``, ``'min'``) across devices.
-
-    The one place optclip issues a collective: ``psum``/``pmax``/``pmin`` over the named mesh
-    axes, so every device ends with the same value (and the same state).
-    """
-    if not split:
-        return value
-    return {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}[kind](value, split)
-
-
-def _flag_across(flag: jax.Array, kind: str, axis_name: AxisName) -> jax.Array:
-    split = split_axes([flag], axis_name)[0] if axis_name is not None else ()
-    if not split:
-        return flag
-    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    return across(flag.astype(jnp.int32), kind, names).astype(bool)
-
-
-def all_true(flag: jax.Array, axis_name: AxisName = None) -> jax.Array:
-    """A bool that holds on every device along ``axis_name`` (a step-wide decision)."""
-    return _flag_across(flag, "min", axis_name)
-
-
-def any_true(flag: jax.Array, axis_name: AxisName = None) -> jax.Array:
-    """A bool that holds on some device along ``axis_name``."""
-    return _flag_across(flag, "max", axis_name)
 
 
 def _wide(x: jax.Array) -> jax.Array:
@@ -352,6 +285,41 @@ def _slice_root_sum_squares(x: jax.Array, axes: tuple[int, ...],
     return root_of_squares(plain, scaled, SCALE_SHIFT[x.dtype])
 
 
+def slice_l2_norms(items: list[tuple[jax.Array, tuple[int, ...], tuple[str, ...]]]
+                   ) -> list[jax.Array]:
+    """L2 norm of every slice (keepdims, wide dtype) of each ``(array, axes, split)``: the
+    arrays reduced over ``axes``, the sums combined across the mesh axes ``split``.
+
+    Each array is read once. Small arrays on a single device give the plain and the scaled
+    sums of squares (:data:`SCALE_SHIFT`) from one variadic reduce; larger arrays give the
+    plain sum, and their scaled sums are taken only on a step where some plain sum overflowed
+    (one scalar ``lax.cond`` for all of them). A NaN/Inf element leaves its slice's norm
+    non-finite.
+    """
+    items = [(_wide(x), axes, split) for x, axes, split in items]
+    paired = [x.size <= PAIR_MAX_ELEMENTS and _may_group() for x, _, _ in items]
+    large = iter(_lazy_slice_l2_norms([i for i, p in zip(items, paired) if not p]))
+    return [_slice_root_sum_squares(*i) if p else next(large) for i, p in zip(items, paired)]
+
+
+def _lazy_slice_l2_norms(items: list[tuple[jax.Array, tuple[int, ...], tuple[str, ...]]]
+                         ) -> list[jax.Array]:
+    """:func:`slice_l2_norms` of wide arrays from plain sums, the scaled sums under one cond."""
+    def sums(pick: Callable[[jax.Array], jax.Array]) -> list[jax.Array]:
+        return [across(jnp.expand_dims(jax.lax.reduce(pick(x), jnp.zeros((), x.dtype),
+                                                      jax.lax.add, axes), axes), "sum", split)
+                for x, axes, split in items]
+
+    if not items:
+        return []
+    plain = sums(jax.lax.square)
+    # Per array (a NaN in one array must not hide an overflow in another).
+    overflow = gather_scalars([jnp.any(jnp.isinf(p)) for p in plain])
+    scaled = _when_overflowed(overflow, lambda: sums(lambda x: _squares(x)[1]), plain, True)
+    return [root_of_squares(p, q, SCALE_SHIFT[x.dtype])
+            for p, q, (x, _, _) in zip(plain, scaled, items)]
+
+
 def sees_nonfinite(ord: float | str) -> bool:
     """Whether a NaN or Inf element always makes the metric non-finite.
 
@@ -505,7 +473,12 @@ def leaf_reductions(arrays: list[jax.Array], prepare: Callable[[jax.Array], Any]
 
 
 def float_leaves(tree: Any) -> list[jax.Array]:
-    """The floating leaves of ``tree``, in order (integer, ``None`` and masked leaves left out)."""
+    """The floating leaves of ``tree``, in order (integer, ``None`` and masked leaves left out).
+
+    The one rule for which leaves take part (:func:`is_float`): arrays of a floating dtype.
+    A Python ``float`` leaf is not an array and is left out here; every transform's ``update``
+    first turns such leaves into 0-d arrays (``checks.transformation``), which then count.
+    """
     return [x for x in jax.tree.leaves(tree) if is_float(x)]
 
 

@@ -142,10 +142,11 @@ def all_finite(tree: Any, axis_name: norms.AxisName = None) -> jax.Array:
     each give ``sum(x * 0)`` (:func:`leaf_finite`), small leaves of one shape from one shared
     variadic reduce (:func:`optclip._core.norms.leaf_reductions`). With ``axis_name`` (inside
     ``shard_map``/``pmap``) on every device along those mesh axes, so a step is committed or
-    skipped everywhere alike.
+    skipped everywhere alike. The floating leaves are those of
+    :func:`optclip._core.norms.float_leaves` (arrays; a transform's ``update`` has already made
+    Python-float leaves 0-d arrays).
     """
-    leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
-    leaves = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
+    leaves = norms.float_leaves(tree)
     arrays = [x for x in leaves if x.size != 1]
     values = [x.reshape(()) for x in leaves if x.size == 1] + norms.leaf_reductions(
         arrays, lambda x: x * jnp.zeros((), x.dtype))
