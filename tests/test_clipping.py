@@ -1,4 +1,4 @@
-"""Stateless clippers and normalizers: spec vectors, intended fixes, a NumPy oracle, properties."""
+"""Stateless clippers and normalizers: reference vectors, intended fixes, an oracle, properties."""
 
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ def assert_leaves(actual, expected, **tol):
 
 
 # ---------------------------------------------------------------------------------------------
-# spec/torchzero.md §6.1, with the intended values of §4 in place of the † (defect) cells.
+# Vectors from torchzero 0.4.4 (float32), with the intended values in place of the cells where
+# torchzero has a defect.
 
 A = [[3, 4], 12.0]
 G = [[3, 4], [0.5], [[3, 4], [0, 5]]]
@@ -68,7 +69,7 @@ TORCHZERO_VECTORS = [
     ("14", lambda: optclip.centralize(), [[5], [1, 3]], [[5], [-1, 1]]),
     ("15", lambda: optclip.centralize(dim="global"), [[5], [1, 3]], [[2], [-2, 0]]),
     ("16", lambda: optclip.clip_value(1.0), [[3, -4, 0.5]], [[1, -1, 0.5]]),
-    # §4: intended behaviour where torchzero 0.4.4 has a defect.
+    # Intended behaviour where torchzero 0.4.4 has a defect.
     ("D1-centralize-0d", lambda: optclip.centralize(), [3.0, [1, 2, 6]], [3.0, [-2, -1, 3]]),
     ("D2", lambda: optclip.normalize(inverse_dims=True), [[3, 4], [[3, 4], [0, 5]]],
      [[3, 4], [[3, 4], [0, 5]]]),
@@ -128,7 +129,7 @@ def test_torchzero_helper_vectors(call, inputs, expected):
     assert_leaves(call(leaves(*inputs)), expected)
 
 
-ORD_SWEEP = [  # spec/torchzero.md §6.1, input [1, -2, 2, 0]: (ord, Normalize(1), ClipNorm(0.5))
+ORD_SWEEP = [  # torchzero 0.4.4, input [1, -2, 2, 0]: (ord, Normalize(1), ClipNorm(0.5))
     (2, [0.33333334, -0.66666669, 0.66666669, 0], [0.16666667, -0.33333334, 0.33333334, 0]),
     ("l2", [0.33333334, -0.66666669, 0.66666669, 0], [0.16666667, -0.33333334, 0.33333334, 0]),
     (1, [0.2, -0.40000001, 0.40000001, 0], [0.1, -0.2, 0.2, 0]),
@@ -154,7 +155,7 @@ def test_ord_sweep(ord, normalized, clipped, dim):
     assert_leaves(apply(optclip.clip_norm(0.5, ord=ord, dim=dim), g), [clipped], **tol)
 
 
-# spec/adaptive.md §6.9 (drytorch, float64).
+# Vectors from drytorch (float64).
 DRYTORCH_IN = [[1.24, -1.64], [0.76, 0.44], [0.5]]
 DRYTORCH_VECTORS = [
     ("GradValueClipper", optclip.clip_value(0.5), [[0.5, -0.5], [0.5, 0.44], [0.5]], 1e-15),
@@ -187,7 +188,7 @@ def test_drytorch_global_clip_is_exact_to_max_norm():
         np.testing.assert_allclose(float(optax.tree.norm(out)), 1.0, rtol=1e-15)
 
 
-# spec/lp_space.md §7.6 (declearn): L2Clipping = clip_norm, L2GlobalClipping = clip_by_global_norm.
+# Vectors from declearn: L2Clipping = clip_norm, L2GlobalClipping = clip_by_global_norm.
 DECLEARN_IN = {"w": [[3.0, 4.0], [0.0, 0.0]], "b": [0.5, -0.5], "s": [0.1, 0.2, 0.2]}
 DECLEARN = [
     (1.0, "clip_norm", {"w": [[0.6, 0.8], [0, 0]]}),

@@ -1,4 +1,5 @@
-"""Tests for optclip/history.py: spec/adaptive.md §6 vectors, a scalar oracle, properties."""
+"""Tests for optclip/history.py: reference vectors (drytorch, zclip, autoclip), a scalar oracle,
+properties."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from optclip import history
 enable_x64 = jax.enable_x64
 
 # ---------------------------------------------------------------------------------------------
-# §6.1 input: 40 calls, parameters a (2) and b (2).
+# The reference input: 40 calls, parameters a (2) and b (2).
 G = np.array([
     [0.29, -0.43, 0.21, 0.07], [0.3, -0.41, 0.17, 0.1], [0.26, -0.41, 0.17, 0.08],
     [0.29, -0.37, 0.18, 0.08], [0.31, -0.36, 0.2, 0.09], [0.34, -0.44, 0.22, 0.09],
@@ -39,14 +40,14 @@ G = np.array([
     [0.3, -0.4, 0.18, 0.08], [1.45, -2.1, 1.1, 0.4], [0.026, -0.036, 0.02, 0.008],
     [0.3, -0.44, 0.2, 0.13]])
 
-# §6.2 pre-clip global norms (checks the norm itself).
+# Pre-clip global norms (checks the norm itself).
 PRE = {1: 0.563914887195, 10: 2.235710178, 24: 2.98211334459, 27: 4.18077743966,
        33: 1.9513328778, 38: 2.80757902827, 39: 0.049355850717, 40: 0.583523778436}
 
 SAME = "="
 RTOL64 = 2e-11   # the tables print 12 significant digits
 RTOL32 = 2e-6    # the references move by <= 9e-8 (drytorch, ZClip), 1e-6 (autoclip) in float32
-RTOL32_AUTOCLIP = 5e-6  # a float32 quantile rank q * (k - 1) is itself off by ~1e-6 (§7.1)
+RTOL32_AUTOCLIP = 5e-6  # a float32 quantile rank q * (k - 1) is itself off by ~1e-6
 
 zs, ema = optclip.zscore_criterion, optclip.ema_criterion
 mx, mn, rc = optclip.max_clipping, optclip.mean_clipping, optclip.reciprocal_clipping
@@ -54,7 +55,7 @@ mx, mn, rc = optclip.max_clipping, optclip.mean_clipping, optclip.reciprocal_cli
 # Global columns: name -> (factory, {call: post-op global norm or SAME}). Calls not listed are
 # unchanged (bit-identical).
 GLOBAL_COLUMNS = {
-    # §6.3 drytorch HistClipper, N = 20, GradNormClipper(1) warm-up.
+    # drytorch HistClipper, N = 20, GradNormClipper(1) warm-up.
     "HC-Z/recip": (lambda: optclip.hist_clip(), {
         10: 0.999999552715, 24: 0.971239679509, 27: 1.18221848549, 33: SAME,
         38: 2.353716193}),
@@ -70,7 +71,7 @@ GLOBAL_COLUMNS = {
         38: 0.208685701375}),
     "HC-EMA/mean ref": (lambda: optclip.hist_clip(ema(clip_fn=mn, parity="reference")), {
         10: 0.999999552715, 24: 0.0, 27: 0.0, 33: 0.0, 38: 0.0}),
-    # §6.4 zclip.
+    # zclip.
     "Z1": (lambda: optclip.zclip(), {
         10: 0.999999552715, 24: 0.999999664667, 27: 0.99999976081, 33: 0.99999948753,
         38: 0.999999643821}),
@@ -85,7 +86,7 @@ GLOBAL_COLUMNS = {
         27: 0.891531962683, 38: 1.06122959677}),
     "Z7": (lambda: optclip.zclip(max_grad_norm=None, warmup_steps=20), {
         24: 0.953807076125, 27: 0.833550637582, 33: 1.08963004159, 38: 0.888906767112}),
-    # §6.5 autoclip, global mode.
+    # autoclip, global mode.
     "Q": (lambda: optclip.quantile_clip(global_threshold=True), {
         6: 0.556338837835, 10: 0.572077922936, 24: 0.580617699141, 27: 0.593097365994,
         33: 0.602404269105, 38: 1.14337155106}),
@@ -103,7 +104,7 @@ GLOBAL_COLUMNS["S ref"] = (
     {2: math.nan, **_S})
 GLOBAL_COLUMNS["S"] = (lambda: optclip.standard_clip(global_threshold=True), {2: SAME, **_S})
 
-# §6.6 per-parameter columns: name -> (factory, {call: (‖a‖, ‖b‖)}).
+# Per-parameter columns: name -> (factory, {call: (‖a‖, ‖b‖)}).
 LOCAL_COLUMNS = {
     "PHC": (lambda: optclip.param_hist_clip(), {
         10: (0.999999513623, SAME), 24: (0.859965433064, SAME), 27: (1.10283526661, SAME),
@@ -208,7 +209,7 @@ def column_tolerance(name, dtype):
 
 @functools.cache
 def run_columns(table_id: str, dtype):
-    """Run every column of a §6 table over G in one scan; returns (inputs, outputs, states)."""
+    """Run every column of a reference table over G in one scan: (inputs, outputs, states)."""
     table = {"global": GLOBAL_COLUMNS, "local": LOCAL_COLUMNS}[table_id]
     with enable_x64(dtype == jnp.float64):
         grads = g_tree(G, dtype)
@@ -244,7 +245,7 @@ def test_spec_local_columns(name, dtype):
         check_column(f"{name} {k}", got[k], pre[k], column, column_tolerance(name, dtype))
 
 
-# §6.7 internal checkpoints: (column, state after call, field getter, expected).
+# Internal checkpoints of the references: (column, state after call, field getter, expected).
 CHECKPOINTS = [
     ("HC-Z/recip", 21, lambda s: (s.criterion.mean, s.criterion.var),
      (0.627966117336, 0.139308001496)),
@@ -273,7 +274,7 @@ def test_spec_checkpoints(column, call, get, want):
 
 
 def test_spec_install_statistics():
-    """§6.7: the default HistClipper installs mean 0.6304..., unbiased variance 0.1434...."""
+    """The default HistClipper installs mean 0.6304..., unbiased variance 0.1434...."""
     _, _, states = run_columns("global", jnp.float64)
     state = jax.tree.map(lambda x: x[19], states["HC-Z/recip"])
     with enable_x64(True):
@@ -283,7 +284,7 @@ def test_spec_install_statistics():
     assert int(state.count) == 20
 
 
-# §6.8 edge cases: a single leaf [x, 0] plus a zero second leaf, so the global norm is x.
+# Edge cases: a single leaf [x, 0] plus a zero second leaf, so the global norm is x.
 EDGE = [
     ("E1", lambda: optclip.hist_clip(warmup_transform=optax.identity(), warmup_steps=3),
      [2, 2, 2, 2, 6, 6], [2, 2, 2, 2, 3.5156244294514356, 4.408820160686574]),
@@ -340,7 +341,7 @@ EDGE += [
     ("E11 NaN fixed", lambda: optclip.hist_clip(warmup_transform=optax.identity(),
                                                 warmup_steps=3),
      _E11[:4] + [math.nan] + _E11[5:], None),
-    # E12: the warm-up outputs, call 4 and the capped call 7 are the spec's own numbers.
+    # E12: the warm-up outputs, call 4 and the capped call 7 are the reference's own numbers.
     ("E12 fixed", lambda: optclip.zclip(warmup_steps=3),
      _E11, [0.9999990000010001, 0.9999991666673611, 0.9, 0.9999990909099175, math.nan, 1,
             0.99999980000004]),
@@ -398,7 +399,7 @@ def test_spec_edge_final_statistics(name, call, get, want, rtol):
 
 
 def test_shared_state_reproducer_separate():
-    """§6.10: two default hist_clip instances used alternately behave like separate ones."""
+    """Two default hist_clip instances used alternately behave like separate ones."""
     with enable_x64(True):
         first, second = optclip.hist_clip(), optclip.hist_clip()
         seq = [g_tree(row, jnp.float64) for row in G]
@@ -414,7 +415,7 @@ def test_shared_state_reproducer_separate():
 
 
 # ---------------------------------------------------------------------------------------------
-# An independent scalar oracle, written from the spec's formulas (Python floats, one call at a
+# An independent scalar oracle, written from the references' formulas (Python floats, one call at a
 # time), for random sequences with spikes.
 
 def tclip(c, n):
@@ -426,7 +427,7 @@ CLIP_FNS = {"max": lambda z, t: t, "mean": lambda z, t: 0.0, "recip": lambda z, 
 
 def oracle_hist(ns, crit="zscore", fn="recip", steps=20, alpha=0.97, thr=2.5, warm=1.0,
                 feedback="raw", parity="fixed"):
-    """drytorch HistClipper (§2.4, §2.5, §2.7) on norms ``ns``; returns the scale per call."""
+    """drytorch HistClipper on norms ``ns``; returns the scale per call."""
     f = CLIP_FNS[fn]
     mu, v, buf, count, out = 0.0, 1.0, [], 0, []
     for n in ns:
@@ -465,7 +466,7 @@ def oracle_hist(ns, crit="zscore", fn="recip", steps=20, alpha=0.97, thr=2.5, wa
 
 def oracle_zclip(ns, alpha=0.97, z_thresh=2.5, cap=1.0, eps=1e-6, warmup=25, mode="zscore",
                  option="adaptive_scaling", factor=1.0, skip=False, parity="fixed"):
-    """zclip ZClip.step (§3.3) on norms ``ns``; returns the scale per call."""
+    """zclip ZClip.step on norms ``ns``; returns the scale per call."""
     buf, init, mean, var, out = [], False, None, None, []
     for n in ns:
         if not math.isfinite(n):
@@ -502,7 +503,7 @@ def oracle_zclip(ns, alpha=0.97, z_thresh=2.5, cap=1.0, eps=1e-6, warmup=25, mod
 
 def oracle_autoclip(ns, kind="quantile", q=0.9, dev=2.0, length=1000, add_mean=False,
                     parity="fixed"):
-    """autoclip QuantileClip/StandardClip step (§5.4, §5.5) on norms ``ns``; scales per call."""
+    """autoclip QuantileClip/StandardClip step on norms ``ns``; scales per call."""
     hist, out = [], []
     for n in ns:
         if not math.isfinite(n):

@@ -1,6 +1,6 @@
 """Which axes of a leaf a per-slice transform reduces over.
 
-Two vocabularies describe the same idea (``API.md``, "Axes vocabulary"):
+Two vocabularies describe the same idea:
 
 * torchzero's ``dim`` / ``inverse_dims`` / ``min_size``: ``dim=None`` means all axes of each leaf,
   an int or a sequence of ints selects axes (negative allowed, axes at or beyond the leaf's rank
