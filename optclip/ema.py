@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optclip._core import checks, norms, running, trees
@@ -270,93 +271,98 @@ def _leafwise(leaves, old, floats, move, state, treedef, rule: _Rule):
     """Each leaf against its own EMA: ``(ok, per-leaf (output factor, EMA factor), committed
     state fields)``.
 
-    Per leaf everything is 0-d values (never entries of a vector, which would make each
-    leaf's computations distinct kernels for XLA); the only step-wide values are the
-    finiteness test, one reduction over the gathered norms, and ``ok``.
+    The per-leaf decisions are taken on vectors (one entry per leaf, one vector per statistics
+    dtype), so they cost a fixed number of kernels whatever the leaf count; each leaf then reads
+    its entries through one small kernel (:func:`optclip._core.running.per_leaf_trees`). XLA:CPU
+    orders its kernels by comparing every pair of them, so kernels per leaf cost compile time
+    quadratic in the leaf count.
     """
-    previous = {name: treedef.flatten_up_to(getattr(state, name)) for name in _FIELD_NAMES}
-    xs = [leaves[i] for i in floats]
-    split = norms.split_axes(xs, rule.axis_name)
-    measurable = [norms.metric_defined(rule.ord, x.size * norms.axes_size(axes))
-                  for x, axes in zip(xs, split)]
-    if rule.ord == 2.0:
-        pairs = _l2_norms(xs, [lambda i=i: move(i) for i in floats], split)
-    else:
-        pairs = [(norms.leaf_norm(x, rule.ord, rule.axis_name),
-                  norms.leaf_norm(move(i), rule.ord, rule.axis_name)) for x, i in zip(xs, floats)]
-    steps, seen, flags = {}, [], []
-    for k, i in enumerate(floats):
-        a, b = pairs[k]
-        b = b.astype(old[i].dtype)
-        a = a.astype(b.dtype)
-        if not measurable[k]:
-            a, b = jnp.zeros_like(a), jnp.zeros_like(b)
-        step = _decide(a, b, previous["ema_norm"][i], rule.first, rule.growth, rule.eps,
-                       rule.divisor_rule)
-        if not measurable[k]:
-            step = step._replace(divisor=jnp.ones_like(step.divisor),
-                                 output=jnp.ones_like(step.output))
-        if not (measurable[k] and norms.sees_nonfinite(rule.ord)):
-            flags.append(stats_lib.leaf_finite(xs[k]))
-        seen += [a, b]
-        steps[i] = (a, step)
-    if seen:
-        flags.append(jnp.all(jnp.isfinite(norms.gather_scalars(seen))))
-    ok = stats_lib.all_of(flags, rule.axis_name)
-    rows = {i: (1 / step.output, 1 / step.shrink) for i, (_, step) in steps.items()}
-    fields = {name: {} for name in _FIELD_NAMES}
-    for i, (a, step) in steps.items():
-        for name, v in _fields(a, step).items():
-            fields[name][i] = jnp.where(ok, v, previous[name][i])
+    groups: dict[Any, list[int]] = {}
+    for i in floats:
+        groups.setdefault(jnp.dtype(old[i].dtype), []).append(i)
+    decided = {dtype: _decide_group(leaves, idx, move, state, treedef, rule)
+               for dtype, idx in groups.items()}
+    ok = stats_lib.all_of([f for _, _, flags in decided.values() for f in flags],
+                          rule.axis_name)
+    rows, fields = {}, {name: {} for name in _FIELD_NAMES}
+    for dtype, idx in groups.items():
+        norm, step, _ = decided[dtype]
+        committed = {name: jnp.where(ok, v, _gathered(state, name, treedef, idx))
+                     for name, v in _fields(norm, step).items()}
+        spread = _spread((1 / step.output, 1 / step.shrink, *committed.values()))
+        for i, row in zip(idx, spread):
+            rows[i] = row[:2]
+            for name, value in zip(committed, row[2:]):
+                fields[name][i] = value
     return ok, rows, {name: trees.unflatten_at(treedef, v) for name, v in fields.items()}
 
 
-def _l2_norms(xs: list, moved: list, split: list) -> list[tuple[jax.Array, jax.Array]]:
-    """Per leaf, the L2 norms (0-d) of the update ``xs[k]`` and of the moved EMA
-    ``moved[k]()`` (built from ``xs[k]`` and its EMA), with no per-leaf branch.
+# Leaves whose entries one variadic reduce hands out (see _spread).
+_SPREAD = 8
 
-    Small leaves (of one shape, several together) give the plain and scaled sums of squares of
-    both from one variadic reduce; large leaves give the plain sums, and one scalar
-    ``lax.cond`` for all of them takes their scaled sums on the rare step where a plain sum
-    overflowed (instead of the two conds, one per list of norms, that measured every leaf
-    again).
+
+def _add_all(a: tuple, b: tuple) -> tuple:
+    """Combiner of the variadic sum in :func:`_spread` (module level: jax caches it)."""
+    return tuple(jax.lax.add(u, v) for u, v in zip(a, b))
+
+
+def _spread(vectors: tuple[jax.Array, ...]) -> list[tuple[jax.Array, ...]]:
+    """Per leaf ``j``, entry ``j`` of every vector, each a 0-d array of its vector's dtype.
+
+    Each entry is its own buffer, written by one variadic reduce per ``_SPREAD`` leaves (the sum
+    of the entry and ``-0``, exact for every value, signed zeros, NaN and Inf included) instead
+    of one kernel per entry: XLA:CPU orders its kernels by comparing every pair of them (compile
+    time quadratic in the kernel count), and a kernel reading entry ``j`` of a vector is
+    distinct for every ``j`` (compiled once per leaf).
     """
-    small = [x.size <= norms.PAIR_MAX_ELEMENTS for x in xs]
+    dtype = jnp.result_type(*vectors)
+    table = jnp.stack([v.astype(dtype) for v in vectors], axis=1)
+    table = jnp.stack([table, jnp.full_like(table, -0.0)], axis=-1)
+    count, width = table.shape[:2]
+    rows = []
+    for start in range(0, count, _SPREAD):
+        block = range(start, min(count, start + _SPREAD))
+        operands = tuple(table[j, k] for j in block for k in range(width))
+        sums = jax.lax.reduce(operands, (jnp.asarray(-0.0, dtype),) * len(operands), _add_all,
+                              (0,))
+        rows += [sums[n * width:(n + 1) * width] for n in range(len(block))]
+    return [tuple(x.astype(v.dtype) for x, v in zip(row, vectors)) for row in rows]
 
-    def down(dtype):
-        return jnp.asarray(2.0 ** -norms.SCALE_SHIFT[jnp.dtype(dtype)], dtype)
 
-    def squares(k):
-        m = moved[k]()
-        x = xs[k].astype(m.dtype)
-        if not small[k]:
-            return jnp.square(x), jnp.square(m)
-        return (jnp.square(x), jnp.square(x * down(x.dtype)), jnp.square(m),
-                jnp.square(m * down(x.dtype)))
+def _gathered(state, name: str, treedef, idx: list[int]) -> jax.Array:
+    """The per-leaf state field ``name`` at the leaves ``idx``, as one vector."""
+    return norms.gather_scalars([treedef.flatten_up_to(getattr(state, name))[i] for i in idx])
 
-    def totals(keys, parts):
-        return {k: tuple(norms.across(v, "sum", split[k]) for v in p)
-                for k, p in zip(keys, parts)}
 
-    everything = list(range(len(xs)))
-    sums = totals(everything, norms.leaf_reductions(everything, squares))
-    large = [k for k in everything if not small[k]]
-    plain = {k: (v[0], v[2 if small[k] else 1]) for k, v in sums.items()}
-    scaled = {k: (v[1], v[3]) for k, v in sums.items() if small[k]}
-    if large:
-        def scaled_large():
-            def prepare(k):
-                m = moved[k]()
-                return tuple(jnp.square(v * down(m.dtype)) for v in (xs[k].astype(m.dtype), m))
-            found = totals(large, norms.leaf_reductions(large, prepare))
-            return [found[k] for k in large]
+def _decide_group(leaves, idx, move, state, treedef, rule: _Rule):
+    """``(update norms, _Step, finiteness flags)`` of the leaves ``idx`` (one statistics dtype),
+    as vectors with one entry per leaf."""
+    xs = [leaves[i] for i in idx]
+    dtype = norms.acc_dtype(xs[0].dtype)
+    split = norms.split_axes(xs, rule.axis_name)
+    measurable = np.array([norms.metric_defined(rule.ord, x.size * norms.axes_size(axes))
+                           for x, axes in zip(xs, split)])
 
-        overflow = jnp.any(jnp.isinf(norms.gather_scalars([v for k in large for v in plain[k]])))
-        zero = [tuple(jnp.zeros_like(v) for v in plain[k]) for k in large]
-        scaled.update(zip(large, jax.lax.cond(overflow, scaled_large, lambda: zero)))
-    shift = norms.SCALE_SHIFT[jnp.dtype(plain[0][0].dtype)]
-    return [tuple(norms.root_of_squares(plain[k][n], scaled[k][n], shift) for n in (0, 1))
-            for k in everything]
+    def build():
+        return xs + [move(i) for i in idx]
+
+    if rule.ord == 2.0:
+        both = norms.leaf_l2_norms(build, rule.axis_name, vector=True)
+    else:
+        both = norms.gather_scalars(norms.leaf_norms(build, rule.ord, rule.axis_name))
+    n = len(idx)
+    a, b = both[:n].astype(dtype), both[n:].astype(dtype)
+    if not measurable.all():
+        a, b = jnp.where(measurable, a, 0), jnp.where(measurable, b, 0)
+    step = _decide(a, b, _gathered(state, "ema_norm", treedef, idx), rule.first, rule.growth,
+                   rule.eps, rule.divisor_rule)
+    if not measurable.all():
+        step = step._replace(divisor=jnp.where(measurable, step.divisor, 1),
+                             output=jnp.where(measurable, step.output, 1))
+    sees = norms.sees_nonfinite(rule.ord)
+    flags = [stats_lib.leaf_finite(x) for x, m in zip(xs, measurable) if not (m and sees)]
+    flags.append(jnp.all(jnp.isfinite(a) & jnp.isfinite(b)))
+    return a, step, flags
 
 
 def _group_size(group: Any, axis_name: AxisName) -> int:
