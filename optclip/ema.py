@@ -301,32 +301,35 @@ def _leafwise(leaves, old, floats, move, state, treedef, rule: _Rule):
 _SPREAD = 8
 
 
-def _add_all(a: tuple, b: tuple) -> tuple:
-    """Combiner of the variadic sum in :func:`_spread` (module level: jax caches it)."""
-    return tuple(jax.lax.add(u, v) for u, v in zip(a, b))
+def _combine(a: tuple, b: tuple) -> tuple:
+    """Combiner of the variadic reduce in :func:`_spread` (module level: jax caches it)."""
+    return tuple(jax.lax.bitwise_or(u, v) if u.dtype == jnp.bool_ else jax.lax.add(u, v)
+                 for u, v in zip(a, b))
+
+
+def _neutral(dtype) -> jax.Array:
+    """``-0`` (``x + -0`` is ``x`` for every float, signed zeros and NaN included) or False."""
+    return jnp.asarray(False if dtype == jnp.bool_ else -0.0, dtype)
 
 
 def _spread(vectors: tuple[jax.Array, ...]) -> list[tuple[jax.Array, ...]]:
     """Per leaf ``j``, entry ``j`` of every vector, each a 0-d array of its vector's dtype.
 
-    Each entry is its own buffer, written by one variadic reduce per ``_SPREAD`` leaves (the sum
-    of the entry and ``-0``, exact for every value, signed zeros, NaN and Inf included) instead
-    of one kernel per entry: XLA:CPU orders its kernels by comparing every pair of them (compile
-    time quadratic in the kernel count), and a kernel reading entry ``j`` of a vector is
-    distinct for every ``j`` (compiled once per leaf).
+    Each entry is its own buffer, written by one variadic reduce per ``_SPREAD`` leaves (the
+    entry combined with a neutral element) instead of one kernel per entry: XLA:CPU orders its
+    kernels by comparing every pair of them (compile time quadratic in the kernel count), and
+    a kernel reading entry ``j`` of a vector is distinct for every ``j`` (compiled per leaf).
     """
-    dtype = jnp.result_type(*vectors)
-    table = jnp.stack([v.astype(dtype) for v in vectors], axis=1)
-    table = jnp.stack([table, jnp.full_like(table, -0.0)], axis=-1)
-    count, width = table.shape[:2]
+    padded = [jnp.stack([v, jnp.full_like(v, _neutral(v.dtype))], axis=1) for v in vectors]
+    count, width = vectors[0].shape[0], len(vectors)
     rows = []
     for start in range(0, count, _SPREAD):
         block = range(start, min(count, start + _SPREAD))
-        operands = tuple(table[j, k] for j in block for k in range(width))
-        sums = jax.lax.reduce(operands, (jnp.asarray(-0.0, dtype),) * len(operands), _add_all,
+        operands = tuple(p[j] for j in block for p in padded)
+        outs = jax.lax.reduce(operands, tuple(_neutral(v.dtype) for v in operands), _combine,
                               (0,))
-        rows += [sums[n * width:(n + 1) * width] for n in range(len(block))]
-    return [tuple(x.astype(v.dtype) for x, v in zip(row, vectors)) for row in rows]
+        rows += [tuple(outs[n * width:(n + 1) * width]) for n in range(len(block))]
+    return rows
 
 
 def _gathered(state, name: str, treedef, idx: list[int]) -> jax.Array:
