@@ -316,20 +316,44 @@ def _spread(vectors: tuple[jax.Array, ...]) -> list[tuple[jax.Array, ...]]:
     """Per leaf ``j``, entry ``j`` of every vector, each a 0-d array of its vector's dtype.
 
     Each entry is its own buffer, written by one variadic reduce per ``_SPREAD`` leaves (the
-    entry combined with a neutral element) instead of one kernel per entry: XLA:CPU orders its
-    kernels by comparing every pair of them (compile time quadratic in the kernel count), and
-    a kernel reading entry ``j`` of a vector is distinct for every ``j`` (compiled per leaf).
+    entry combined with a neutral element; XLA:CPU flushes subnormals there, as in any of its
+    arithmetic, and none of these values is subnormal) instead of one kernel per entry: XLA:CPU
+    orders its kernels by comparing every pair of them (compile time quadratic in the kernel
+    count), and a kernel reading entry ``j`` of a vector is distinct for every ``j`` (compiled
+    once per leaf).
     """
+    is_bool = [v.dtype == jnp.bool_ for v in vectors]
+    floats = iter(_handed_out(*[v for v, b in zip(vectors, is_bool) if not b]))
+    flags = iter(_hand_out(*[jax.lax.stop_gradient(v) for v, b in zip(vectors, is_bool) if b]))
+    count = vectors[0].shape[0]
+    table = [next(flags) if b else next(floats) for _ in range(count) for b in is_bool]
+    width = len(vectors)
+    return [tuple(table[j * width:(j + 1) * width]) for j in range(count)]
+
+
+def _hand_out(*vectors: jax.Array) -> tuple[jax.Array, ...]:
+    """Entry ``j`` of every vector, for every ``j`` in order (see :func:`_spread`)."""
+    if not vectors:
+        return ()
     padded = [jnp.stack([v, jnp.full_like(v, _neutral(v.dtype))], axis=1) for v in vectors]
-    count, width = vectors[0].shape[0], len(vectors)
-    rows = []
-    for start in range(0, count, _SPREAD):
-        block = range(start, min(count, start + _SPREAD))
-        operands = tuple(p[j] for j in block for p in padded)
-        outs = jax.lax.reduce(operands, tuple(_neutral(v.dtype) for v in operands), _combine,
-                              (0,))
-        rows += [tuple(outs[n * width:(n + 1) * width]) for n in range(len(block))]
-    return rows
+    outs: list[jax.Array] = []
+    for start in range(0, vectors[0].shape[0], _SPREAD):
+        operands = tuple(p[j] for j in range(start, min(vectors[0].shape[0], start + _SPREAD))
+                         for p in padded)
+        outs += jax.lax.reduce(operands, tuple(_neutral(v.dtype) for v in operands), _combine,
+                               (0,))
+    return tuple(outs)
+
+
+def _sliced(*vectors: jax.Array) -> tuple[jax.Array, ...]:
+    """What :func:`_hand_out` returns, by plain indexing (linear and transposable)."""
+    return tuple(v[j] for j in range(vectors[0].shape[0]) for v in vectors) if vectors else ()
+
+
+# jax differentiates no variadic reduce (symbolic-zero tangents, no transpose): derivatives of
+# the hand-out go through plain indexing, which is only traced where something differentiates.
+_handed_out = jax.custom_jvp(_hand_out)
+_handed_out.defjvp(lambda primals, tangents: (_hand_out(*primals), _sliced(*tangents)))
 
 
 def _gathered(state, name: str, treedef, idx: list[int]) -> jax.Array:
