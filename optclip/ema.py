@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optclip._core import checks, norms, running, trees
@@ -270,93 +271,125 @@ def _leafwise(leaves, old, floats, move, state, treedef, rule: _Rule):
     """Each leaf against its own EMA: ``(ok, per-leaf (output factor, EMA factor), committed
     state fields)``.
 
-    Per leaf everything is 0-d values (never entries of a vector, which would make each
-    leaf's computations distinct kernels for XLA); the only step-wide values are the
-    finiteness test, one reduction over the gathered norms, and ``ok``.
+    The per-leaf decisions are taken on vectors (one entry per leaf, one vector per statistics
+    dtype), so they cost a fixed number of kernels whatever the leaf count; each leaf then reads
+    its entries through one small kernel (:func:`optclip._core.running.per_leaf_trees`). XLA:CPU
+    orders its kernels by comparing every pair of them, so kernels per leaf cost compile time
+    quadratic in the leaf count.
     """
-    previous = {name: treedef.flatten_up_to(getattr(state, name)) for name in _FIELD_NAMES}
-    xs = [leaves[i] for i in floats]
-    split = norms.split_axes(xs, rule.axis_name)
-    measurable = [norms.metric_defined(rule.ord, x.size * norms.axes_size(axes))
-                  for x, axes in zip(xs, split)]
-    if rule.ord == 2.0:
-        pairs = _l2_norms(xs, [lambda i=i: move(i) for i in floats], split)
-    else:
-        pairs = [(norms.leaf_norm(x, rule.ord, rule.axis_name),
-                  norms.leaf_norm(move(i), rule.ord, rule.axis_name)) for x, i in zip(xs, floats)]
-    steps, seen, flags = {}, [], []
-    for k, i in enumerate(floats):
-        a, b = pairs[k]
-        b = b.astype(old[i].dtype)
-        a = a.astype(b.dtype)
-        if not measurable[k]:
-            a, b = jnp.zeros_like(a), jnp.zeros_like(b)
-        step = _decide(a, b, previous["ema_norm"][i], rule.first, rule.growth, rule.eps,
-                       rule.divisor_rule)
-        if not measurable[k]:
-            step = step._replace(divisor=jnp.ones_like(step.divisor),
-                                 output=jnp.ones_like(step.output))
-        if not (measurable[k] and norms.sees_nonfinite(rule.ord)):
-            flags.append(stats_lib.leaf_finite(xs[k]))
-        seen += [a, b]
-        steps[i] = (a, step)
-    if seen:
-        flags.append(jnp.all(jnp.isfinite(norms.gather_scalars(seen))))
-    ok = stats_lib.all_of(flags, rule.axis_name)
-    rows = {i: (1 / step.output, 1 / step.shrink) for i, (_, step) in steps.items()}
-    fields = {name: {} for name in _FIELD_NAMES}
-    for i, (a, step) in steps.items():
-        for name, v in _fields(a, step).items():
-            fields[name][i] = jnp.where(ok, v, previous[name][i])
+    groups: dict[Any, list[int]] = {}
+    for i in floats:
+        groups.setdefault(jnp.dtype(old[i].dtype), []).append(i)
+    decided = {dtype: _decide_group(leaves, idx, move, state, treedef, rule)
+               for dtype, idx in groups.items()}
+    ok = stats_lib.all_of([f for _, _, flags in decided.values() for f in flags],
+                          rule.axis_name)
+    rows, fields = {}, {name: {} for name in _FIELD_NAMES}
+    for dtype, idx in groups.items():
+        norm, step, _ = decided[dtype]
+        committed = {name: jnp.where(ok, v, _gathered(state, name, treedef, idx))
+                     for name, v in _fields(norm, step).items()}
+        spread = _spread((1 / step.output, 1 / step.shrink, *committed.values()))
+        for i, row in zip(idx, spread):
+            rows[i] = row[:2]
+            for name, value in zip(committed, row[2:]):
+                fields[name][i] = value
     return ok, rows, {name: trees.unflatten_at(treedef, v) for name, v in fields.items()}
 
 
-def _l2_norms(xs: list, moved: list, split: list) -> list[tuple[jax.Array, jax.Array]]:
-    """Per leaf, the L2 norms (0-d) of the update ``xs[k]`` and of the moved EMA
-    ``moved[k]()`` (built from ``xs[k]`` and its EMA), with no per-leaf branch.
+# Leaves whose entries one variadic reduce hands out (see _spread).
+_SPREAD = 8
 
-    Small leaves (of one shape, several together) give the plain and scaled sums of squares of
-    both from one variadic reduce; large leaves give the plain sums, and one scalar
-    ``lax.cond`` for all of them takes their scaled sums on the rare step where a plain sum
-    overflowed (instead of the two conds, one per list of norms, that measured every leaf
-    again).
+
+def _combine(a: tuple, b: tuple) -> tuple:
+    """Combiner of the variadic reduce in :func:`_spread` (module level: jax caches it)."""
+    return tuple(jax.lax.bitwise_or(u, v) if u.dtype == jnp.bool_ else jax.lax.add(u, v)
+                 for u, v in zip(a, b))
+
+
+def _neutral(dtype) -> jax.Array:
+    """``-0`` (``x + -0`` is ``x`` for every float, signed zeros and NaN included) or False."""
+    return jnp.asarray(False if dtype == jnp.bool_ else -0.0, dtype)
+
+
+def _spread(vectors: tuple[jax.Array, ...]) -> list[tuple[jax.Array, ...]]:
+    """Per leaf ``j``, entry ``j`` of every vector, each a 0-d array of its vector's dtype.
+
+    Each entry is its own buffer, written by one variadic reduce per ``_SPREAD`` leaves (the
+    entry combined with a neutral element; XLA:CPU flushes subnormals there, as in any of its
+    arithmetic, and none of these values is subnormal) instead of one kernel per entry: XLA:CPU
+    orders its kernels by comparing every pair of them (compile time quadratic in the kernel
+    count), and a kernel reading entry ``j`` of a vector is distinct for every ``j`` (compiled
+    once per leaf).
     """
-    small = [x.size <= norms.PAIR_MAX_ELEMENTS for x in xs]
+    is_bool = [v.dtype == jnp.bool_ for v in vectors]
+    floats = iter(_handed_out(*[v for v, b in zip(vectors, is_bool) if not b]))
+    flags = iter(_hand_out(*[jax.lax.stop_gradient(v) for v, b in zip(vectors, is_bool) if b]))
+    count = vectors[0].shape[0]
+    table = [next(flags) if b else next(floats) for _ in range(count) for b in is_bool]
+    width = len(vectors)
+    return [tuple(table[j * width:(j + 1) * width]) for j in range(count)]
 
-    def down(dtype):
-        return jnp.asarray(2.0 ** -norms.SCALE_SHIFT[jnp.dtype(dtype)], dtype)
 
-    def squares(k):
-        m = moved[k]()
-        x = xs[k].astype(m.dtype)
-        if not small[k]:
-            return jnp.square(x), jnp.square(m)
-        return (jnp.square(x), jnp.square(x * down(x.dtype)), jnp.square(m),
-                jnp.square(m * down(x.dtype)))
+def _hand_out(*vectors: jax.Array) -> tuple[jax.Array, ...]:
+    """Entry ``j`` of every vector, for every ``j`` in order (see :func:`_spread`)."""
+    if not vectors:
+        return ()
+    padded = [jnp.stack([v, jnp.full_like(v, _neutral(v.dtype))], axis=1) for v in vectors]
+    outs: list[jax.Array] = []
+    for start in range(0, vectors[0].shape[0], _SPREAD):
+        operands = tuple(p[j] for j in range(start, min(vectors[0].shape[0], start + _SPREAD))
+                         for p in padded)
+        outs += jax.lax.reduce(operands, tuple(_neutral(v.dtype) for v in operands), _combine,
+                               (0,))
+    return tuple(outs)
 
-    def totals(keys, parts):
-        return {k: tuple(norms.across(v, "sum", split[k]) for v in p)
-                for k, p in zip(keys, parts)}
 
-    everything = list(range(len(xs)))
-    sums = totals(everything, norms.leaf_reductions(everything, squares))
-    large = [k for k in everything if not small[k]]
-    plain = {k: (v[0], v[2 if small[k] else 1]) for k, v in sums.items()}
-    scaled = {k: (v[1], v[3]) for k, v in sums.items() if small[k]}
-    if large:
-        def scaled_large():
-            def prepare(k):
-                m = moved[k]()
-                return tuple(jnp.square(v * down(m.dtype)) for v in (xs[k].astype(m.dtype), m))
-            found = totals(large, norms.leaf_reductions(large, prepare))
-            return [found[k] for k in large]
+def _sliced(*vectors: jax.Array) -> tuple[jax.Array, ...]:
+    """What :func:`_hand_out` returns, by plain indexing (linear and transposable)."""
+    return tuple(v[j] for j in range(vectors[0].shape[0]) for v in vectors) if vectors else ()
 
-        overflow = jnp.any(jnp.isinf(norms.gather_scalars([v for k in large for v in plain[k]])))
-        zero = [tuple(jnp.zeros_like(v) for v in plain[k]) for k in large]
-        scaled.update(zip(large, jax.lax.cond(overflow, scaled_large, lambda: zero)))
-    shift = norms.SCALE_SHIFT[jnp.dtype(plain[0][0].dtype)]
-    return [tuple(norms.root_of_squares(plain[k][n], scaled[k][n], shift) for n in (0, 1))
-            for k in everything]
+
+# jax differentiates no variadic reduce (symbolic-zero tangents, no transpose): derivatives of
+# the hand-out go through plain indexing, which is only traced where something differentiates.
+_handed_out = jax.custom_jvp(_hand_out)
+_handed_out.defjvp(lambda primals, tangents: (_hand_out(*primals), _sliced(*tangents)))
+
+
+def _gathered(state, name: str, treedef, idx: list[int]) -> jax.Array:
+    """The per-leaf state field ``name`` at the leaves ``idx``, as one vector."""
+    return norms.gather_scalars([treedef.flatten_up_to(getattr(state, name))[i] for i in idx])
+
+
+def _decide_group(leaves, idx, move, state, treedef, rule: _Rule):
+    """``(update norms, _Step, finiteness flags)`` of the leaves ``idx`` (one statistics dtype),
+    as vectors with one entry per leaf."""
+    xs = [leaves[i] for i in idx]
+    dtype = norms.acc_dtype(xs[0].dtype)
+    split = norms.split_axes(xs, rule.axis_name)
+    measurable = np.array([norms.metric_defined(rule.ord, x.size * norms.axes_size(axes))
+                           for x, axes in zip(xs, split)])
+
+    def build():
+        return xs + [move(i) for i in idx]
+
+    if rule.ord == 2.0:
+        both = norms.leaf_l2_norms(build, rule.axis_name, vector=True)
+    else:
+        both = norms.gather_scalars(norms.leaf_norms(build, rule.ord, rule.axis_name))
+    n = len(idx)
+    a, b = both[:n].astype(dtype), both[n:].astype(dtype)
+    if not measurable.all():
+        a, b = jnp.where(measurable, a, 0), jnp.where(measurable, b, 0)
+    step = _decide(a, b, _gathered(state, "ema_norm", treedef, idx), rule.first, rule.growth,
+                   rule.eps, rule.divisor_rule)
+    if not measurable.all():
+        step = step._replace(divisor=jnp.where(measurable, step.divisor, 1),
+                             output=jnp.where(measurable, step.output, 1))
+    sees = norms.sees_nonfinite(rule.ord)
+    flags = [stats_lib.leaf_finite(x) for x, m in zip(xs, measurable) if not (m and sees)]
+    flags.append(jnp.all(jnp.isfinite(a) & jnp.isfinite(b)))
+    return a, step, flags
 
 
 def _group_size(group: Any, axis_name: AxisName) -> int:
