@@ -547,33 +547,36 @@ def bounds_at(count: jax.Array, low: Any, high: Any) -> tuple[Any, Any]:
     return tuple(None if b is None else checks.resolve(b, count) for b in (low, high))
 
 
-def clamp_tree(tree: Any, low: Any, high: Any, axis_name: norms.AxisName
-               ) -> tuple[Any, Any]:
-    """``(clip(tree, low, high), moved)`` with ``moved`` per float leaf: whether any element
-    changed, on any device along ``axis_name`` (``None`` for other leaves)."""
-    clamped = norms.float_map(lambda x: clip(x, low, high), tree)
-    moved = jax.tree.map(
-        lambda x, c: norms.any_true(jnp.any(x != c), axis_name) if norms.is_float(x) else None,
-        tree, clamped)
-    return clamped, moved
-
-
 def clamped_leaves(tree: Any, low: Any, high: Any, axis_name: norms.AxisName
                    ) -> tuple[Any, Any, jax.Array]:
-    """``(clip(tree, low, high), moved, finite)``: :func:`clamp_tree` that also tells whether
-    every float element is finite (on every device along ``axis_name``), from the same single
-    read of each leaf: ``Σ (moved + x * 0)`` is NaN exactly when some element is not finite
-    (``x * 0`` is NaN for NaN and ±Inf), and otherwise counts the moved elements. ``moved``
-    is only meaningful on a finite step (where it is not, the step is not committed)."""
-    def leaf_sum(x):
-        moved = (x != clip(x, low, high)).astype(x.dtype)
-        return jnp.sum(moved + x * jnp.zeros((), x.dtype), dtype=norms.acc_dtype(x.dtype))
-
-    sums = norms.float_map(leaf_sum, tree)
-    moved = jax.tree.map(lambda x, s: norms.any_true(s > 0, axis_name)
+    """``(clip(tree, low, high), moved, finite)``: with ``moved`` per float leaf (whether any
+    element changed, on any device along ``axis_name``; ``None`` for other leaves) and whether
+    every float element is finite (on every device along ``axis_name``), from one reduction of
+    each leaf, :func:`excess`: it is non-zero exactly when some element was moved, and NaN
+    exactly when some element is not finite. ``moved`` is only meaningful on a finite step
+    (where it is not, the step is not committed). The clamp waits for the check: with donated
+    gradients XLA would otherwise copy every leaf to keep it for the reductions."""
+    sums = norms.float_map(lambda x: excess(x, low, high), tree)
+    moved = jax.tree.map(lambda x, s: norms.any_true(s != 0, axis_name)
                          if norms.is_float(x) else None, tree, sums)
-    finite = stats.all_of([jnp.isfinite(s) for s in norms.float_leaves(sums)], axis_name)
+    finite = stats.all_of([~jnp.isnan(s) for s in norms.float_leaves(sums)], axis_name)
+    low, high = stats.after(finite, (low, high))
     return norms.float_map(lambda x: clip(x, low, high), tree), moved, finite
+
+
+def excess(x: jax.Array, low: Any, high: Any) -> jax.Array:
+    """``Σ (max(x - high, 0) + max(low - x, 0) + 0 x)`` in the wide dtype (``None``: no bound):
+    positive (``inf`` included) exactly when some element lies outside ``[low, high]``, NaN
+    exactly when some element is NaN or infinite. One reduction of arithmetic only, which
+    XLA:CPU fuses into a single read (a comparison would write a mask out first). Under
+    flush-to-zero, a difference from a bound below ``2**-126`` counts as none, as it does for
+    the clamp itself."""
+    terms = x * jnp.zeros((), x.dtype)
+    if high is not None:
+        terms = terms + jnp.maximum(x - jnp.asarray(high).astype(x.dtype), 0)
+    if low is not None:
+        terms = terms + jnp.maximum(jnp.asarray(low).astype(x.dtype) - x, 0)
+    return jnp.sum(terms, dtype=norms.acc_dtype(x.dtype))
 
 
 def clip(x: jax.Array, low: Any, high: Any) -> jax.Array:
