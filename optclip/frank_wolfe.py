@@ -44,16 +44,51 @@ class L1qFrankWolfeState(NamedTuple):
     nonfinite: jax.Array
 
 
-def _l1_lmo(g: jax.Array, axes: tuple[int, ...], split: tuple[str, ...], k: Any) -> jax.Array:
-    """One-hot ``sign(g_i*) e_i*`` at the first largest ``|g|`` of every flattened slice (the
-    top-1 entry, found as :func:`top_q`'s ranking finds it, also for slices split over devices).
+def _l1_lmo(g: jax.Array, axes: tuple[int, ...], split: tuple[str, ...], first: Any
+            ) -> jax.Array:
+    """One-hot ``sign(g_i*) e_i*`` at the first largest ``|g|`` of every flattened slice, from
+    ``first``, the index ``i*`` per row measured by :func:`_l1_measure` (``None``: ranked here,
+    as :func:`top_q` ranks, also for slices split over devices).
 
     rai_toolbox 0.2.1 takes the argmax along the first reduced axis only, which is wrong for
     slices of two or more axes.
     """
+    if first is not None:
+        rows = slices.slice_rows(g, axes)
+        index = jax.lax.broadcasted_iota(jnp.int32, rows.shape, rows.ndim - 1)
+        return jnp.where(slices.slice_mask(index == first, g), slices.sign(g),
+                         jnp.zeros_like(g))
     if axes_lib.slice_size(g.shape, axes) * norms.axes_size(split) <= 1:
         return slices.sign(g)
     return slices.sign(slices.top_q_kept(g, axes, 1, split))
+
+
+def _first_largest(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(i*, finite)`` per row (keepdims): the first index of the largest ``|g|`` (NaN ranked
+    as the largest), and whether the row is finite, read off the entry found (NaN and ±Inf rank
+    above every finite magnitude). One argmax of the magnitudes' bits: on XLA:CPU an integer
+    argmax runs in one read of the row (a float argmax, a float key or a ranking by bisection
+    take several)."""
+    first = jnp.argmax(slices.magnitude_bits(rows), axis=-1, keepdims=True).astype(jnp.int32)
+    return first, jnp.isfinite(jnp.take_along_axis(rows, first, axis=-1))
+
+
+def _l1_measure(leaves: list, cut: slices.Slicing, axis_name: norms.AxisName
+                ) -> tuple[list, list]:
+    """Per leaf the first index of the largest ``|g|`` of every row (:func:`_first_largest`;
+    ``None`` where :func:`_l1_lmo` ranks the leaf itself: one-element slices, slices split over
+    devices), and the per-leaf finiteness flags, read off the same pass where it ranks."""
+    out: list[Any] = [None] * len(leaves)
+    flags = []
+    for i, (g, axes, split) in enumerate(zip(leaves, cut.axes, cut.split, strict=True)):
+        if axes is None:
+            continue
+        if axes and not split and axes_lib.slice_size(g.shape, axes) > 1:
+            out[i], finite = _first_largest(slices.slice_rows(g, axes))
+            flags.append(jnp.all(finite))
+        else:
+            flags.append(stats_lib.leaf_finite(g))
+    return out, flags
 
 
 def _fw_coefficients(count: jax.Array, learning_rate: Any, scaling: Any, schedule: bool,
@@ -324,7 +359,7 @@ def l1_frank_wolfe(epsilon: float, learning_rate: float = 2.0,
     """
     _check_ball(epsilon, learning_rate, use_default_lr_schedule, param_ndim, eps, axis_name)
     return _frank_wolfe("l1_frank_wolfe", _l1_lmo, epsilon, learning_rate,
-                        use_default_lr_schedule, eps, param_ndim, axis_name)
+                        use_default_lr_schedule, eps, param_ndim, axis_name, measure=_l1_measure)
 
 
 def l2_frank_wolfe(epsilon: float, learning_rate: float = 2.0,

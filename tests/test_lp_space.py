@@ -500,6 +500,17 @@ def test_l1_lmo_ties_and_nan_take_the_first_index():
     assert int(state.nonfinite) == 1
 
 
+def test_l1_lmo_infinite_entry_ranks_first_and_marks_the_step():
+    """An infinite magnitude is the largest of its row (the one-hot lands on it) and makes the
+    step non-finite, also when it lies in a row of its own among finite rows."""
+    tx = optclip.l1_frank_wolfe(1.0)
+    g = {"b": np.array([[1, -np.inf, 3, -np.inf], [0, 0, 0, 0], [1, 2, -2, 0]], F32)}
+    params = {"b": jnp.zeros((3, 4))}
+    u, state = tx.update(g, tx.init(params), params)
+    np.testing.assert_array_equal(u["b"], [[0, 1, 0, 0], [0, 0, 0, 0], [0, -1, 0, 0]])
+    assert int(state.nonfinite) == 1 and int(state.count) == 0
+
+
 @pytest.mark.parametrize("learning_rate,want", [
     (2.0, [[-1, -1], [-0.666666687, 0], [-0.333333343, -0.5]]),
     (0.0, [[1, -2]] * 3),

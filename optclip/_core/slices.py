@@ -275,7 +275,7 @@ def top_k_masks(rows: list, ks: list) -> list:
     ``while`` and one ``cond``, not one per leaf.
     """
     ranked = [i for i, r in enumerate(rows) if r.shape[-1] > 0]
-    bits = [_magnitude_bits(rows[i]) for i in ranked]
+    bits = [magnitude_bits(rows[i]) for i in ranked]
     ks = [jnp.asarray(ks[i], jnp.int32) for i in ranked]
     # Per-row values built from the data carry its sharding under an explicit mesh.
     zeros = [jnp.zeros_like(b[..., :1]) for b in bits]
@@ -325,7 +325,7 @@ def _float_of(bits: jax.Array):
     return np.float64 if bits.dtype == jnp.int64 else np.float32
 
 
-def _magnitude_bits(g: jax.Array) -> jax.Array:
+def magnitude_bits(g: jax.Array) -> jax.Array:
     """The bits of ``|g|`` (NaN ranked as the largest, ``inf``) in the accumulation dtype, as
     signed integers: non-negative floats order like their bit patterns."""
     magnitude = jnp.abs(g.astype(norms.acc_dtype(g.dtype)))
@@ -402,7 +402,7 @@ def split_top_k(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array,
     slice's leading axis (as an FSDP layout does). ``axes`` are trailing (as ``param_ndim``
     gives them).
     """
-    bits = _magnitude_bits(g)
+    bits = magnitude_bits(g)
     k = jnp.asarray(k, jnp.int32)
     top = int(np.asarray(np.inf, _float_of(bits)).view(bits.dtype)) + 1
 
