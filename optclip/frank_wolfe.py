@@ -154,64 +154,49 @@ def _plain_denominator(norm: jax.Array, eps: Any) -> jax.Array:
     return jnp.where(norm == 0, 1, jnp.maximum(norm, jnp.asarray(eps).astype(norm.dtype)))
 
 
-def _exact_l2(g: jax.Array, axes: tuple[int, ...], split: tuple[str, ...], eps: Any,
-              sums: jax.Array, biggest: jax.Array) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
-    """``((shift, denom), finite)`` of every slice as :func:`l2_normalize` forms them, from the
-    plain ``sums`` of squares and ``biggest`` magnitudes: the norm measured on the slice scaled
-    by the power of two that brings its largest magnitude into ``[0.5, 1)`` (one more read; no
-    under- or overflow), and that scaled slice divided by its norm where the norm underflows or
-    its reciprocal would be subnormal."""
+def _l2_slices(g: jax.Array, axes: tuple[int, ...], split: tuple[str, ...], eps: Any
+               ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+    """``((shift, denom), finite)`` of every slice as :func:`l2_normalize` forms them: the norm
+    is measured on the slice scaled by the power of two that brings its largest magnitude into
+    ``[0.5, 1)`` (two reads: the largest magnitude, then the sum of scaled squares, which can
+    neither under- nor overflow: it is finite exactly when the slice is), and that scaled slice
+    is divided by its norm where the norm underflows or its reciprocal would be subnormal;
+    elsewhere the slice is divided by ``max(norm, eps)`` (the same quotient as from the plain
+    sum of squares: the scaling is exact)."""
     wide = g.astype(norms.acc_dtype(g.dtype))
-    finite = jnp.all(~jnp.isnan(sums) & jnp.isfinite(biggest))
-    measurable = (biggest > 0) & jnp.isfinite(biggest)
     if g.dtype == jnp.float16:   # float32 sums of float16 squares neither under- nor overflow
-        return (jnp.zeros(sums.shape, jnp.int32),
-                _plain_denominator(norms.safe_sqrt(sums), eps)), finite
-    shift = jnp.where(measurable, -norms.binary_exponent(biggest), 0)
-    unit = _l2_direction(wide, axes, split, (shift, jnp.ones_like(sums)))
-    unit_norm = norms.safe_sqrt(norms.across(jnp.sum(jnp.square(unit), axis=axes, keepdims=True),
-                                             "sum", split))
-    norm = jnp.where(measurable, norms.ldexp(unit_norm, -shift), norms.safe_sqrt(sums))
+        sums = norms.across(jnp.sum(jnp.square(wide), axis=axes, keepdims=True), "sum", split)
+        return ((jnp.zeros(sums.shape, jnp.int32),
+                 _plain_denominator(norms.safe_sqrt(sums), eps)), jnp.all(jnp.isfinite(sums)))
     tiny = float(jnp.finfo(wide.dtype).tiny)
+    if not axes:   # one-element slices: g / |g| is exactly ±1 wherever |g| needs the rescaling
+        size = jnp.abs(wide)
+        rescale = ((size < tiny ** 0.5) | (size >= 1 / tiny)) & (size > 0) & jnp.isfinite(size)
+        return ((jnp.zeros(size.shape, jnp.int32),
+                 jnp.where(rescale, size, _plain_denominator(size, eps))),
+                stats_lib.leaf_finite(wide))
+    biggest = norms.across(jnp.max(jnp.abs(wide), axis=axes, keepdims=True, initial=0), "max",
+                           split)
+    measurable = (biggest > 0) & jnp.isfinite(biggest)
+    shift = jnp.where(measurable, -norms.binary_exponent(biggest), 0)
+    unit = _l2_direction(wide, axes, split, (shift, jnp.ones_like(biggest)))
+    unit_sums = norms.across(jnp.sum(jnp.square(unit), axis=axes, keepdims=True), "sum", split)
+    unit_norm = norms.safe_sqrt(unit_sums)
+    norm = jnp.where(measurable, norms.ldexp(unit_norm, -shift), unit_norm)
     rescale = ((norm < tiny ** 0.5) | (norm >= 1 / tiny)) & measurable
     return ((jnp.where(rescale, shift, 0),
-             jnp.where(rescale, unit_norm, _plain_denominator(norm, eps))), finite)
+             jnp.where(rescale, unit_norm, _plain_denominator(norm, eps))),
+            jnp.all(jnp.isfinite(unit_sums)))
 
 
 def _l2_measure(leaves: list, cut: slices.Slicing, eps: Any, axis_name: norms.AxisName
                 ) -> tuple[list, list]:
-    """Per leaf ``(shift, denom)`` for :func:`_l2_direction` and the finiteness flag.
-
-    Two reductions per leaf that XLA fuses into reads of ``g`` (``Σg²`` and ``max|g|`` per
-    slice); a slice whose sum of squares is non-finite or below ``tiny`` while it is not zero
-    (rare: under- or overflow, or a non-finite step) sends the whole tree through
-    :func:`_exact_l2` (one scalar ``lax.cond``), so the common case makes no further pass.
-    """
-    floats = [(g, axes, split) for g, axes, split in zip(leaves, cut.axes, cut.split, strict=True)
-              if axes is not None]
-    measured, plain, clean_flags = [], [], []
-    for g, axes, split in floats:
-        wide = g.astype(norms.acc_dtype(g.dtype))
-        sums = norms.across(jnp.sum(jnp.square(wide), axis=axes, keepdims=True), "sum", split)
-        biggest = norms.across(jnp.max(jnp.abs(wide), axis=axes, keepdims=True, initial=0),
-                               "max", split)
-        tiny = float(jnp.finfo(wide.dtype).tiny)
-        rare = ~jnp.isfinite(sums) | ((sums < tiny) & (biggest != 0))
-        measured.append((sums, biggest))
-        clean_flags.append(stats_lib.leaf_finite(jnp.where(rare, jnp.nan, biggest * 0)))
-        plain.append((jnp.zeros(sums.shape, jnp.int32),
-                      _plain_denominator(norms.safe_sqrt(sums), eps)))
-    clean = norms.all_true(jnp.all(norms.gather_scalars(clean_flags)) if clean_flags
-                           else jnp.asarray(True), axis_name)
-
-    def exact():
-        return tuple(zip(*[_exact_l2(g, axes, split, eps, *m)
-                           for (g, axes, split), m in zip(floats, measured, strict=True)]))
-
-    ks, flags = jax.lax.cond(clean, lambda: (tuple(plain), tuple(clean_flags)), exact) \
-        if floats else ((), ())
-    it = iter(ks)
-    return [None if axes is None else next(it) for axes in cut.axes], list(flags)
+    """Per leaf ``(shift, denom)`` for :func:`_l2_direction` (:func:`_l2_slices`) and the
+    per-leaf finiteness flags read off the same reads."""
+    measured = [None if axes is None else _l2_slices(g, axes, split, eps)
+                for g, axes, split in zip(leaves, cut.axes, cut.split, strict=True)]
+    return ([None if m is None else m[0] for m in measured],
+            [m[1] for m in measured if m is not None])
 
 
 def _fw_leaves(updates: Any, params: Any, lmo, cut: slices.Slicing, k_of: list, a: jax.Array,

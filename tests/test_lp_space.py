@@ -1057,3 +1057,14 @@ def test_per_leaf_param_ndim_acts_as_each_leaf_alone(name, spelling):
         want, _ = alone.update(grads[leaf], alone.init(params[leaf]), params[leaf])
         np.testing.assert_allclose(np.asarray(out[leaf]), np.asarray(want), rtol=1e-6,
                                    err_msg=leaf)
+
+
+def test_l2_frank_wolfe_one_element_slices_below_eps_and_out_of_range():
+    """Each element of a 1-D leaf is a slice (param_ndim=-1): g / max(|g|, eps), except where
+    |g| under- or overflows the reciprocal's range, which gives sign(g) whatever eps."""
+    tx = optclip.l2_frank_wolfe(1.0, eps=1e-3)   # alpha_0 = 1: the update is -direction at 0
+    g = np.array([1e-30, -1e-4, 2.0, 0.0, -3e38], F32)
+    u, state = tx.update(g, tx.init(jnp.zeros(5)), jnp.zeros(5))
+    want = -np.array([1, np.float32(-1e-4) / np.float32(1e-3), 1, 0, -1], F32)
+    np.testing.assert_array_equal(u, want)
+    assert int(state.nonfinite) == 0
