@@ -462,11 +462,33 @@ def top_q_kept_leaves(leaves: list, axes_of: list, k_of: list, split_of: list) -
             out[i] = jnp.where(split_top_k(g, axes, k, split), g, jnp.zeros_like(g))
         else:
             local.append(i)
-    masks = top_k_masks([slice_rows(leaves[i], axes_of[i]) for i in local],
-                        [k_of[i] for i in local])
-    for i, mask in zip(local, masks):
-        out[i] = jnp.where(slice_mask(mask, leaves[i]), leaves[i], jnp.zeros_like(leaves[i]))
+    for group in _cache_groups(local, [leaves[i].size for i in local]):
+        masks = top_k_masks([slice_rows(leaves[i], axes_of[i]) for i in group],
+                            [k_of[i] for i in group])
+        for i, mask in zip(group, masks):
+            out[i] = jnp.where(slice_mask(mask, leaves[i]), leaves[i], jnp.zeros_like(leaves[i]))
     return out
+
+
+# Leaves are ranked in groups of about this many entries, each group by its own loop: every
+# round of a loop reads its leaves again, from the cache where they fit (measured on a 2-core
+# CPU with a 32 MiB L3: one loop for all of a GPT-2-sized tree steps about 1.7x slower than one
+# loop per large leaf); small leaves share one loop (one loop body to compile).
+RANK_GROUP_ENTRIES = 1 << 20
+
+
+def _cache_groups(items: list, sizes: list) -> list:
+    """``items`` in order, cut into consecutive groups of at most ``RANK_GROUP_ENTRIES``
+    entries (a larger item is a group of its own)."""
+    groups: list[list] = []
+    total = 0
+    for item, size in zip(items, sizes, strict=True):
+        if not groups or total + size > RANK_GROUP_ENTRIES:
+            groups.append([])
+            total = 0
+        groups[-1].append(item)
+        total += size
+    return groups
 
 
 def l1q(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array, eps: Any,
