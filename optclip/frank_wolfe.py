@@ -212,11 +212,13 @@ def _fw_leaves(updates: Any, params: Any, lmo, cut: slices.Slicing, k_of: list, 
 def _frank_wolfe(name: str, lmo, scaling: Any, learning_rate: Any, schedule: bool,
                  fw_eps: Any, param_ndim: Any, axis_name: norms.AxisName,
                  fraction: slices.DropFraction | None = None,
-                 measure=None) -> optax.GradientTransformation:
+                 measure=None, joint=None) -> optax.GradientTransformation:
     """Frank-Wolfe with ``direction = lmo(g, axes, split, k)``; ``fraction`` draws the L1q
     ``k`` per leaf (its state is :class:`L1qFrankWolfeState`); ``measure(leaves, cut,
     axis_name) -> (k per leaf, per-leaf finiteness flags)`` instead measures what the LMO needs
-    and reads the finiteness of the step off the same pass."""
+    and reads the finiteness of the step off the same pass; ``joint(leaves, cut, k per leaf)
+    -> per leaf k'`` forms what the LMO needs for all leaves together (one ranking loop for
+    the tree instead of one per leaf), and the LMO receives ``k'``."""
 
     def init_fn(params):
         head = (jnp.zeros([], jnp.int32), jnp.zeros([], norms.stat_dtype(params)))
@@ -247,6 +249,8 @@ def _frank_wolfe(name: str, lmo, scaling: Any, learning_rate: Any, schedule: boo
             new_state = L1qFrankWolfeState(*head, key, treedef.unflatten(q_of),
                                            treedef.unflatten(slices.k_arrays(k_of)),
                                            state.nonfinite)
+        if joint is not None:
+            k_of = joint(leaves, cut, k_of)
         # The updates wait for the check: no copy of the donated updates buffers for it.
         new_updates = _fw_leaves(updates, params, lmo, cut, k_of, *stats_lib.after(finite, (a, b)))
         return new_updates, stats_lib.commit(finite, new_state, state)
@@ -468,7 +472,8 @@ def l1q_frank_wolfe(q: float, epsilon: float, dq: float = 0.0, learning_rate: fl
     """
     slices.check_q(q, dq, seed)
     _check_ball(epsilon, learning_rate, use_default_lr_schedule, param_ndim, eps, axis_name)
-    return _frank_wolfe("l1q_frank_wolfe",
-                        lambda g, axes, split, k: slices.l1q(g, axes, k, eps, split), epsilon,
+    return _frank_wolfe("l1q_frank_wolfe", lambda g, axes, split, direction: direction, epsilon,
                         learning_rate, use_default_lr_schedule, slices.TINY, param_ndim,
-                        axis_name, slices.DropFraction(q, dq, seed))
+                        axis_name, slices.DropFraction(q, dq, seed),
+                        joint=lambda leaves, cut, k_of: slices.l1q_leaves(
+                            leaves, cut.axes, k_of, cut.split, eps))
