@@ -44,16 +44,51 @@ class L1qFrankWolfeState(NamedTuple):
     nonfinite: jax.Array
 
 
-def _l1_lmo(g: jax.Array, axes: tuple[int, ...], split: tuple[str, ...], k: Any) -> jax.Array:
-    """One-hot ``sign(g_i*) e_i*`` at the first largest ``|g|`` of every flattened slice (the
-    top-1 entry, found as :func:`top_q`'s ranking finds it, also for slices split over devices).
+def _l1_lmo(g: jax.Array, axes: tuple[int, ...], split: tuple[str, ...], first: Any
+            ) -> jax.Array:
+    """One-hot ``sign(g_i*) e_i*`` at the first largest ``|g|`` of every flattened slice, from
+    ``first``, the index ``i*`` per row measured by :func:`_l1_measure` (``None``: ranked here,
+    as :func:`top_q` ranks, also for slices split over devices).
 
     rai_toolbox 0.2.1 takes the argmax along the first reduced axis only, which is wrong for
     slices of two or more axes.
     """
+    if first is not None:
+        rows = slices.slice_rows(g, axes)
+        index = jax.lax.broadcasted_iota(jnp.int32, rows.shape, rows.ndim - 1)
+        return jnp.where(slices.slice_mask(index == first, g), slices.sign(g),
+                         jnp.zeros_like(g))
     if axes_lib.slice_size(g.shape, axes) * norms.axes_size(split) <= 1:
         return slices.sign(g)
     return slices.sign(slices.top_q_kept(g, axes, 1, split))
+
+
+def _first_largest(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(i*, finite)`` per row (keepdims): the first index of the largest ``|g|`` (NaN ranked
+    as the largest), and whether the row is finite, read off the entry found (NaN and ±Inf rank
+    above every finite magnitude). One argmax of the magnitudes' bits: on XLA:CPU an integer
+    argmax runs in one read of the row (a float argmax, a float key or a ranking by bisection
+    take several)."""
+    first = jnp.argmax(slices.magnitude_bits(rows), axis=-1, keepdims=True).astype(jnp.int32)
+    return first, jnp.isfinite(jnp.take_along_axis(rows, first, axis=-1))
+
+
+def _l1_measure(leaves: list, cut: slices.Slicing, axis_name: norms.AxisName
+                ) -> tuple[list, list]:
+    """Per leaf the first index of the largest ``|g|`` of every row (:func:`_first_largest`;
+    ``None`` where :func:`_l1_lmo` ranks the leaf itself: one-element slices, slices split over
+    devices), and the per-leaf finiteness flags, read off the same pass where it ranks."""
+    out: list[Any] = [None] * len(leaves)
+    flags = []
+    for i, (g, axes, split) in enumerate(zip(leaves, cut.axes, cut.split, strict=True)):
+        if axes is None:
+            continue
+        if axes and not split and axes_lib.slice_size(g.shape, axes) > 1:
+            out[i], finite = _first_largest(slices.slice_rows(g, axes))
+            flags.append(jnp.all(finite))
+        else:
+            flags.append(stats_lib.leaf_finite(g))
+    return out, flags
 
 
 def _fw_coefficients(count: jax.Array, learning_rate: Any, scaling: Any, schedule: bool,
@@ -119,64 +154,49 @@ def _plain_denominator(norm: jax.Array, eps: Any) -> jax.Array:
     return jnp.where(norm == 0, 1, jnp.maximum(norm, jnp.asarray(eps).astype(norm.dtype)))
 
 
-def _exact_l2(g: jax.Array, axes: tuple[int, ...], split: tuple[str, ...], eps: Any,
-              sums: jax.Array, biggest: jax.Array) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
-    """``((shift, denom), finite)`` of every slice as :func:`l2_normalize` forms them, from the
-    plain ``sums`` of squares and ``biggest`` magnitudes: the norm measured on the slice scaled
-    by the power of two that brings its largest magnitude into ``[0.5, 1)`` (one more read; no
-    under- or overflow), and that scaled slice divided by its norm where the norm underflows or
-    its reciprocal would be subnormal."""
+def _l2_slices(g: jax.Array, axes: tuple[int, ...], split: tuple[str, ...], eps: Any
+               ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+    """``((shift, denom), finite)`` of every slice as :func:`l2_normalize` forms them: the norm
+    is measured on the slice scaled by the power of two that brings its largest magnitude into
+    ``[0.5, 1)`` (two reads: the largest magnitude, then the sum of scaled squares, which can
+    neither under- nor overflow: it is finite exactly when the slice is), and that scaled slice
+    is divided by its norm where the norm underflows or its reciprocal would be subnormal;
+    elsewhere the slice is divided by ``max(norm, eps)`` (the same quotient as from the plain
+    sum of squares: the scaling is exact)."""
     wide = g.astype(norms.acc_dtype(g.dtype))
-    finite = jnp.all(~jnp.isnan(sums) & jnp.isfinite(biggest))
-    measurable = (biggest > 0) & jnp.isfinite(biggest)
     if g.dtype == jnp.float16:   # float32 sums of float16 squares neither under- nor overflow
-        return (jnp.zeros(sums.shape, jnp.int32),
-                _plain_denominator(norms.safe_sqrt(sums), eps)), finite
-    shift = jnp.where(measurable, -norms.binary_exponent(biggest), 0)
-    unit = _l2_direction(wide, axes, split, (shift, jnp.ones_like(sums)))
-    unit_norm = norms.safe_sqrt(norms.across(jnp.sum(jnp.square(unit), axis=axes, keepdims=True),
-                                             "sum", split))
-    norm = jnp.where(measurable, norms.ldexp(unit_norm, -shift), norms.safe_sqrt(sums))
+        sums = norms.across(jnp.sum(jnp.square(wide), axis=axes, keepdims=True), "sum", split)
+        return ((jnp.zeros(sums.shape, jnp.int32),
+                 _plain_denominator(norms.safe_sqrt(sums), eps)), jnp.all(jnp.isfinite(sums)))
     tiny = float(jnp.finfo(wide.dtype).tiny)
+    if not axes:   # one-element slices: g / |g| is exactly ±1 wherever |g| needs the rescaling
+        size = jnp.abs(wide)
+        rescale = ((size < tiny ** 0.5) | (size >= 1 / tiny)) & (size > 0) & jnp.isfinite(size)
+        return ((jnp.zeros(size.shape, jnp.int32),
+                 jnp.where(rescale, size, _plain_denominator(size, eps))),
+                stats_lib.leaf_finite(wide))
+    biggest = norms.across(jnp.max(jnp.abs(wide), axis=axes, keepdims=True, initial=0), "max",
+                           split)
+    measurable = (biggest > 0) & jnp.isfinite(biggest)
+    shift = jnp.where(measurable, -norms.binary_exponent(biggest), 0)
+    unit = _l2_direction(wide, axes, split, (shift, jnp.ones_like(biggest)))
+    unit_sums = norms.across(jnp.sum(jnp.square(unit), axis=axes, keepdims=True), "sum", split)
+    unit_norm = norms.safe_sqrt(unit_sums)
+    norm = jnp.where(measurable, norms.ldexp(unit_norm, -shift), unit_norm)
     rescale = ((norm < tiny ** 0.5) | (norm >= 1 / tiny)) & measurable
     return ((jnp.where(rescale, shift, 0),
-             jnp.where(rescale, unit_norm, _plain_denominator(norm, eps))), finite)
+             jnp.where(rescale, unit_norm, _plain_denominator(norm, eps))),
+            jnp.all(jnp.isfinite(unit_sums)))
 
 
 def _l2_measure(leaves: list, cut: slices.Slicing, eps: Any, axis_name: norms.AxisName
                 ) -> tuple[list, list]:
-    """Per leaf ``(shift, denom)`` for :func:`_l2_direction` and the finiteness flag.
-
-    Two reductions per leaf that XLA fuses into reads of ``g`` (``Σg²`` and ``max|g|`` per
-    slice); a slice whose sum of squares is non-finite or below ``tiny`` while it is not zero
-    (rare: under- or overflow, or a non-finite step) sends the whole tree through
-    :func:`_exact_l2` (one scalar ``lax.cond``), so the common case makes no further pass.
-    """
-    floats = [(g, axes, split) for g, axes, split in zip(leaves, cut.axes, cut.split, strict=True)
-              if axes is not None]
-    measured, plain, clean_flags = [], [], []
-    for g, axes, split in floats:
-        wide = g.astype(norms.acc_dtype(g.dtype))
-        sums = norms.across(jnp.sum(jnp.square(wide), axis=axes, keepdims=True), "sum", split)
-        biggest = norms.across(jnp.max(jnp.abs(wide), axis=axes, keepdims=True, initial=0),
-                               "max", split)
-        tiny = float(jnp.finfo(wide.dtype).tiny)
-        rare = ~jnp.isfinite(sums) | ((sums < tiny) & (biggest != 0))
-        measured.append((sums, biggest))
-        clean_flags.append(stats_lib.leaf_finite(jnp.where(rare, jnp.nan, biggest * 0)))
-        plain.append((jnp.zeros(sums.shape, jnp.int32),
-                      _plain_denominator(norms.safe_sqrt(sums), eps)))
-    clean = norms.all_true(jnp.all(norms.gather_scalars(clean_flags)) if clean_flags
-                           else jnp.asarray(True), axis_name)
-
-    def exact():
-        return tuple(zip(*[_exact_l2(g, axes, split, eps, *m)
-                           for (g, axes, split), m in zip(floats, measured, strict=True)]))
-
-    ks, flags = jax.lax.cond(clean, lambda: (tuple(plain), tuple(clean_flags)), exact) \
-        if floats else ((), ())
-    it = iter(ks)
-    return [None if axes is None else next(it) for axes in cut.axes], list(flags)
+    """Per leaf ``(shift, denom)`` for :func:`_l2_direction` (:func:`_l2_slices`) and the
+    per-leaf finiteness flags read off the same reads."""
+    measured = [None if axes is None else _l2_slices(g, axes, split, eps)
+                for g, axes, split in zip(leaves, cut.axes, cut.split, strict=True)]
+    return ([None if m is None else m[0] for m in measured],
+            [m[1] for m in measured if m is not None])
 
 
 def _fw_leaves(updates: Any, params: Any, lmo, cut: slices.Slicing, k_of: list, a: jax.Array,
@@ -192,11 +212,13 @@ def _fw_leaves(updates: Any, params: Any, lmo, cut: slices.Slicing, k_of: list, 
 def _frank_wolfe(name: str, lmo, scaling: Any, learning_rate: Any, schedule: bool,
                  fw_eps: Any, param_ndim: Any, axis_name: norms.AxisName,
                  fraction: slices.DropFraction | None = None,
-                 measure=None) -> optax.GradientTransformation:
+                 measure=None, joint=None) -> optax.GradientTransformation:
     """Frank-Wolfe with ``direction = lmo(g, axes, split, k)``; ``fraction`` draws the L1q
     ``k`` per leaf (its state is :class:`L1qFrankWolfeState`); ``measure(leaves, cut,
     axis_name) -> (k per leaf, per-leaf finiteness flags)`` instead measures what the LMO needs
-    and reads the finiteness of the step off the same pass."""
+    and reads the finiteness of the step off the same pass; ``joint(leaves, cut, k per leaf)
+    -> per leaf k'`` forms what the LMO needs for all leaves together (one ranking loop for
+    the tree instead of one per leaf), and the LMO receives ``k'``."""
 
     def init_fn(params):
         head = (jnp.zeros([], jnp.int32), jnp.zeros([], norms.stat_dtype(params)))
@@ -227,6 +249,8 @@ def _frank_wolfe(name: str, lmo, scaling: Any, learning_rate: Any, schedule: boo
             new_state = L1qFrankWolfeState(*head, key, treedef.unflatten(q_of),
                                            treedef.unflatten(slices.k_arrays(k_of)),
                                            state.nonfinite)
+        if joint is not None:
+            k_of = joint(leaves, cut, k_of)
         # The updates wait for the check: no copy of the donated updates buffers for it.
         new_updates = _fw_leaves(updates, params, lmo, cut, k_of, *stats_lib.after(finite, (a, b)))
         return new_updates, stats_lib.commit(finite, new_state, state)
@@ -324,7 +348,7 @@ def l1_frank_wolfe(epsilon: float, learning_rate: float = 2.0,
     """
     _check_ball(epsilon, learning_rate, use_default_lr_schedule, param_ndim, eps, axis_name)
     return _frank_wolfe("l1_frank_wolfe", _l1_lmo, epsilon, learning_rate,
-                        use_default_lr_schedule, eps, param_ndim, axis_name)
+                        use_default_lr_schedule, eps, param_ndim, axis_name, measure=_l1_measure)
 
 
 def l2_frank_wolfe(epsilon: float, learning_rate: float = 2.0,
@@ -448,7 +472,8 @@ def l1q_frank_wolfe(q: float, epsilon: float, dq: float = 0.0, learning_rate: fl
     """
     slices.check_q(q, dq, seed)
     _check_ball(epsilon, learning_rate, use_default_lr_schedule, param_ndim, eps, axis_name)
-    return _frank_wolfe("l1q_frank_wolfe",
-                        lambda g, axes, split, k: slices.l1q(g, axes, k, eps, split), epsilon,
+    return _frank_wolfe("l1q_frank_wolfe", lambda g, axes, split, direction: direction, epsilon,
                         learning_rate, use_default_lr_schedule, slices.TINY, param_ndim,
-                        axis_name, slices.DropFraction(q, dq, seed))
+                        axis_name, slices.DropFraction(q, dq, seed),
+                        joint=lambda leaves, cut, k_of: slices.l1q_leaves(
+                            leaves, cut.axes, k_of, cut.split, eps))

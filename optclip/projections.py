@@ -137,20 +137,6 @@ def _slice_norms(build, cut: slices.Slicing, axis_name: norms.AxisName) -> tuple
     return measured, [finite]
 
 
-def _excess(x: jax.Array, low: Any, high: Any) -> jax.Array:
-    """``Σ (max(x - high, 0) + max(low - x, 0) + 0 x)`` in the wide dtype: positive exactly
-    when some element lies outside ``[low, high]``, NaN exactly when some element is NaN or
-    infinite. One reduction of arithmetic only, which XLA:CPU fuses into a single read (a
-    comparison would write a mask out first). Under flush-to-zero, a difference from a bound
-    below ``2**-126`` counts as none, as it does for the clamp itself."""
-    terms = x * jnp.zeros((), x.dtype)
-    if high is not None:
-        terms = terms + jnp.maximum(x - jnp.asarray(high).astype(x.dtype), 0)
-    if low is not None:
-        terms = terms + jnp.maximum(jnp.asarray(low).astype(x.dtype) - x, 0)
-    return jnp.sum(terms, dtype=norms.acc_dtype(x.dtype))
-
-
 def project_l2_ball(epsilon: float, param_ndim: int | None = -1, *, exact: bool = False,
                     axis_name: norms.AxisName = None) -> optax.GradientTransformation:
     """Project every slice of the updated parameters onto the L2 ball of radius ``epsilon``.
@@ -224,7 +210,7 @@ def _box_projection(name: str, state_cls: type, bounds, axis_name: norms.AxisNam
 
     def measure(build, at):
         targets = build(True)
-        excess = [_excess(x, *at) if norms.is_float(x) else None
+        excess = [slices.excess(x, *at) if norms.is_float(x) else None
                   for x in jax.tree.leaves(targets)]
         moved = [None if e is None else norms.any_true(e != 0, axis_name) for e in excess]
         flags = [~jnp.isnan(e) for e in excess if e is not None]

@@ -17,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import optclip
+from optclip._core import slices as slices_lib
 
 F32 = np.float32
 G2 = [[0.5, -1.0, 2.0], [-3.0, 0.25, 1.5]]
@@ -498,6 +499,17 @@ def test_l1_lmo_ties_and_nan_take_the_first_index():
     u, state = tx.update(g, tx.init(params), params)
     np.testing.assert_array_equal(np.isnan(u["b"]), [[False, True, False, False]])
     assert int(state.nonfinite) == 1
+
+
+def test_l1_lmo_infinite_entry_ranks_first_and_marks_the_step():
+    """An infinite magnitude is the largest of its row (the one-hot lands on it) and makes the
+    step non-finite, also when it lies in a row of its own among finite rows."""
+    tx = optclip.l1_frank_wolfe(1.0)
+    g = {"b": np.array([[1, -np.inf, 3, -np.inf], [0, 0, 0, 0], [1, 2, -2, 0]], F32)}
+    params = {"b": jnp.zeros((3, 4))}
+    u, state = tx.update(g, tx.init(params), params)
+    np.testing.assert_array_equal(u["b"], [[0, 1, 0, 0], [0, 0, 0, 0], [0, -1, 0, 0]])
+    assert int(state.nonfinite) == 1 and int(state.count) == 0
 
 
 @pytest.mark.parametrize("learning_rate,want", [
@@ -1046,3 +1058,28 @@ def test_per_leaf_param_ndim_acts_as_each_leaf_alone(name, spelling):
         want, _ = alone.update(grads[leaf], alone.init(params[leaf]), params[leaf])
         np.testing.assert_allclose(np.asarray(out[leaf]), np.asarray(want), rtol=1e-6,
                                    err_msg=leaf)
+
+
+def test_l2_frank_wolfe_one_element_slices_below_eps_and_out_of_range():
+    """Each element of a 1-D leaf is a slice (param_ndim=-1): g / max(|g|, eps), except where
+    |g| under- or overflows the reciprocal's range, which gives sign(g) whatever eps."""
+    tx = optclip.l2_frank_wolfe(1.0, eps=1e-3)   # alpha_0 = 1: the update is -direction at 0
+    g = np.array([1e-30, -1e-4, 2.0, 0.0, -3e38], F32)
+    u, state = tx.update(g, tx.init(jnp.zeros(5)), jnp.zeros(5))
+    want = -np.array([1, np.float32(-1e-4) / np.float32(1e-3), 1, 0, -1], F32)
+    np.testing.assert_array_equal(u, want)
+    assert int(state.nonfinite) == 0
+
+
+def test_top_q_ranked_in_groups_matches_one_group(monkeypatch):
+    """Leaves ranked by one loop per group of leaves give what one loop for all gives."""
+    rng = np.random.default_rng(7)
+    grads = {"a": rng.normal(size=(6, 5)).astype(F32), "b": rng.normal(size=(3,)).astype(F32),
+             "c": rng.normal(size=(4, 9)).astype(F32), "d": rng.normal(size=(2, 3, 4)).astype(F32)}
+    grads["c"][1, :4] = 2.0   # ties at the cut-off in one row
+    tx = optclip.l1q_normalize(0.6)
+    joint = tx.update(grads, tx.init(grads))[0]
+    monkeypatch.setattr(slices_lib, "RANK_GROUP_ENTRIES", 1)
+    grouped = tx.update(grads, tx.init(grads))[0]
+    for name in grads:
+        np.testing.assert_array_equal(grouped[name], joint[name])
