@@ -1,7 +1,7 @@
-"""clip_norm_by_ema, normalize_by_ema, clip_value_by_ema (spec/torchzero.md §2.5, §2.6, §6.2-6.3).
+"""clip_norm_by_ema, normalize_by_ema, clip_value_by_ema (torchzero 0.4.4).
 
-Expected values come from the spec tables (torchzero 0.4.4, float32) and from the NumPy oracle
-below, written from the spec's formulas (it concatenates leaves for the global mode, which is
+Expected values come from torchzero 0.4.4 run in float32, and from the NumPy oracle below,
+written from torchzero's formulas (it concatenates leaves for the global mode, which is
 the definition; optclip must get the same numbers without concatenating).
 """
 
@@ -34,7 +34,7 @@ from tests.helpers import (
 )
 
 # ---------------------------------------------------------------------------------------------
-# The NumPy oracle (spec §2.5, §2.6).
+# The NumPy oracle.
 
 def oracle_norm_by_ema(seq, *, normalize, beta=0.99, ord=2, eps=1e-6, tensorwise=True,
                        max_ema_growth=1.5, ema_init="zeros"):
@@ -91,7 +91,7 @@ def oracle_clip_value_by_ema(seq, *, beta=0.99, ema_init="zeros", bound_fn=None)
 
 
 # ---------------------------------------------------------------------------------------------
-# Spec vectors, step by step (§6.2, §6.3).
+# torchzero 0.4.4 vectors, step by step.
 
 S1 = [[3, 4], [0.3, 0.4], [30, 40], [0, 0], [6, 8]]
 S2 = [[[3, 4], [1, 0]], [[0.3, 0.4], [2, 0]], [[30, 40], [0, 0]]]
@@ -129,7 +129,7 @@ NORM_VECTORS = [
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("name,factory,kwargs,seq,expected", NORM_VECTORS,
                          ids=[v[0] for v in NORM_VECTORS])
-def test_norm_by_ema_spec_vectors(name, factory, kwargs, seq, expected, jit):
+def test_norm_by_ema_reference_vectors(name, factory, kwargs, seq, expected, jit):
     outs, _ = run(factory(**kwargs), [as_tree(s) for s in seq], jit=jit)
     for step, (out, want) in enumerate(zip(outs, expected)):
         want = as_tree(want) if isinstance(want[0], list) else [want]
@@ -163,7 +163,7 @@ def test_global_ema_norm_vector():
 
 VALUE_VECTORS = [
     ("beta0.5", dict(beta=0.5), [[1.5, -2, 0], [-1, 1, 1], [4.625, -4.75, -4.5], [0, 0, 0]]),
-    # ema_init='update' is torchzero 0.4.4's init=1 (spec §3).
+    # ema_init='update' is torchzero 0.4.4's init=1.
     ("update_init", dict(beta=0.5, ema_init="update"),
      [[3, -4, 0], [-1, 1, 1], [5, -5.25, -4.5], [0, 0, 0]]),
     ("default", {}, [[0.029999999, -0.039999999, 0], [-0.039699998, 0.049599998, 0.02],
@@ -175,12 +175,12 @@ VALUE_VECTORS = [
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("name,kwargs,expected", VALUE_VECTORS, ids=[v[0] for v in VALUE_VECTORS])
-def test_clip_value_by_ema_spec_vectors(name, kwargs, expected, jit):
+def test_clip_value_by_ema_reference_vectors(name, kwargs, expected, jit):
     outs, states = run(optclip.clip_value_by_ema(**kwargs), [as_tree(s) for s in S3], jit=jit)
     for step, (out, want) in enumerate(zip(outs, expected)):
         np.testing.assert_allclose(out[0], np.asarray(want, np.float32), rtol=RTOL, atol=ATOL,
                                    err_msg=f"step {step + 1}")
-    if kwargs.get("beta") == 0.5 and "ema_init" not in kwargs:   # the stored EMA (§6.3)
+    if kwargs.get("beta") == 0.5 and "ema_init" not in kwargs:   # the stored EMA
         emas = [[1.5, 2, 0], [1.25, 1.5, 1], [4.625, 4.75, 4.5], [2.3125, 2.375, 2.25]]
         for state, e in zip(states, emas):
             np.testing.assert_allclose(state.ema[0], e, rtol=RTOL)
@@ -273,7 +273,7 @@ def test_stateful_ema_transform_keeps_its_state():
 
 
 # ---------------------------------------------------------------------------------------------
-# Defects of torchzero 0.4.4 that optclip does not copy (spec §4).
+# Defects of torchzero 0.4.4 that optclip does not copy.
 
 @pytest.mark.parametrize("ord", ["mad", "std", "l2", "linf", "sum"])
 def test_string_ord_works_tensorwise_d12(ord):

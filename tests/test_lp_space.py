@@ -1,7 +1,7 @@
 """optclip.lp_space: rai_toolbox's gradient transforms, projections and Frank-Wolfe.
 
-Expected numbers come from spec/lp_space.md §7 (produced with rai_toolbox 0.2.1 / torch) or from
-the NumPy oracles below, written from the spec's formulas.
+Expected numbers come from rai_toolbox 0.2.1 run with torch, or from the NumPy oracles below,
+written from rai_toolbox's formulas.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ G3 = [[[1.0, -2.0], [2.0, 0.5]], [[0.0, 3.0], [-4.0, 0.0]]]
 G2B = [[-1.0, 0.5, 0.25], [2.0, -4.0, 1.0]]
 X0 = [[0.1, 0.2, -0.3], [0.0, 0.5, 0.2]]
 # Spec vectors are printed with 9 significant digits; parameters may differ from torch's fused
-# multiply-add by one ulp (spec §1.3).
+# multiply-add by one ulp.
 TOL = dict(rtol=3e-7, atol=2e-7)
 
 
@@ -56,7 +56,7 @@ def steps(tx, x, grads, dtype=jnp.float32):
 
 
 # ---------------------------------------------------------------------------------------------
-# §7.1 L1q (x, g, q, kwargs, param_ndim, lr, g', x'), kwargs = grad_scale / grad_bias.
+# rai_toolbox L1q (x, g, q, kwargs, param_ndim, lr, g', x'), kwargs = grad_scale / grad_bias.
 
 L1Q_VECTORS = {
     "V1-seed": ([1, 1, 1], [0, 1, 2], 0.3, {"grad_scale": 1.8}, None, 1.0,
@@ -93,14 +93,14 @@ L1Q_VECTORS = {
             [[[0, -1], [1, 0]], [[0, 1], [-1, 0]]], None),
     "V17": (np.zeros((2, 2, 2)), G3, 0.5, {}, None, 1.0,
             [[[0, -0.25], [0.25, 0]], [[0, 0.25], [-0.25, 0]]], None),
-    # Ties at the cut-off: the port keeps the lowest indices (spec §6 D6).
+    # Ties at the cut-off: the port keeps the lowest indices.
     "V18": (np.ones((2, 4)), [[1, 1, 1, 1], [2, -1, -1, 0.5]], 0.5, {}, -1, 1.0,
             [[0.5, 0.5, 0, 0], [0.5, -0.5, 0, 0]], None),
 }
 
 
 @pytest.mark.parametrize("case", L1Q_VECTORS, ids=str)
-def test_l1q_normalize_spec_vectors(case):
+def test_l1q_normalize_reference_vectors(case):
     x, g, q, kwargs, param_ndim, lr, want_g, want_x = L1Q_VECTORS[case]
     got_g, got_x = pre_step(optclip.l1q_normalize(q, param_ndim=param_ndim, **kwargs), x, g, lr)
     np.testing.assert_allclose(got_g, np.asarray(want_g, F32), **TOL)
@@ -109,7 +109,7 @@ def test_l1q_normalize_spec_vectors(case):
 
 
 def test_l1q_seed_example_bitwise():
-    """The rai_toolbox documentation example, exactly as printed by torch (spec §5)."""
+    """The rai_toolbox documentation example, exactly as printed by torch."""
     got_g, got_x = pre_step(optclip.l1q_normalize(q=0.30, param_ndim=None, grad_scale=1.8),
                             [1, 1, 1], [0, 1, 2])
     assert np.asarray(got_g).tolist() == [0.0, float(F32(0.9)), float(F32(0.9))]
@@ -118,7 +118,7 @@ def test_l1q_seed_example_bitwise():
 
 
 # ---------------------------------------------------------------------------------------------
-# §7.2 top-q (lr = 1): (x, g, q, param_ndim, kwargs, g', x').
+# rai_toolbox top-q (lr = 1): (x, g, q, param_ndim, kwargs, g', x').
 
 G22 = [[0.5, 1.0], [-2.5, 0.3]]
 G5 = [1, -2, 3, -4, 5]
@@ -152,7 +152,7 @@ TOPQ_VECTORS = [
 
 
 @pytest.mark.parametrize("case", range(len(TOPQ_VECTORS)))
-def test_top_q_spec_vectors(case):
+def test_top_q_reference_vectors(case):
     x, g, q, param_ndim, kwargs, want_g, want_x = TOPQ_VECTORS[case]
     got_g, got_x = pre_step(optclip.top_q(q, param_ndim=param_ndim, **kwargs), x, g)
     np.testing.assert_allclose(got_g, np.asarray(want_g, F32), **TOL)
@@ -163,7 +163,7 @@ def test_top_q_spec_vectors(case):
     (3, 0.3, 2), (3, 0.5, 2), (3, 0.7, 1), (5, 0.1, 4), (5, 0.3, 4), (5, 0.5, 2), (5, 0.7, 2),
     (5, 0.9, 0), (2, 0.25, 2), (2, 0.75, 0), (1, 0.49, 1), (1, 0.5, 0)])
 def test_top_q_count_is_double_precision_half_to_even(size, q, kept):
-    """spec §2.5 step 2 and §6 S2: k = round((1 - q) * D) in double, banker's rounding."""
+    """k = round((1 - q) * D) in double, banker's rounding."""
     g = jnp.arange(1.0, size + 1.0)
     tx = optclip.top_q(q, param_ndim=None)
     out, state = tx.update(g, tx.init(g))
@@ -172,7 +172,7 @@ def test_top_q_count_is_double_precision_half_to_even(size, q, kept):
 
 
 # ---------------------------------------------------------------------------------------------
-# §7.3 L1 / L2 normalization.
+# rai_toolbox L1 / L2 normalization.
 
 L1_ROWS = [[0.142857149, -0.285714298, 0.571428597],
            [-0.631578922, 0.0526315793, 0.315789461]]
@@ -209,7 +209,7 @@ NORMALIZERS = {"l1": optclip.l1_normalize, "l2": optclip.l2_normalize}
 
 
 @pytest.mark.parametrize("case", range(len(NORMALIZE_VECTORS)))
-def test_normalize_spec_vectors(case):
+def test_normalize_reference_vectors(case):
     kind, x, g, param_ndim, kwargs, want = NORMALIZE_VECTORS[case]
     got_g, got_x = pre_step(NORMALIZERS[kind](param_ndim=param_ndim, **kwargs), x, g)
     np.testing.assert_allclose(got_g, np.asarray(want, F32), **TOL)
@@ -226,7 +226,7 @@ def test_normalize_spec_parameters(kind, want_x):
 
 
 @pytest.mark.parametrize("kind,g,want", [
-    ("l2", [1e-30, 0.0], [1.0, 0.0]),              # reference: [85070592, 0] (spec §6 D4)
+    ("l2", [1e-30, 0.0], [1.0, 0.0]),              # reference: [85070592, 0] (its defect)
     ("l2", [1e-20, 1e-20], [0.70710677, 0.70710677]),
     ("l2", [3e38, 3e38], [0.70710677, 0.70710677]),  # reference: [0, 0]
     ("l1", [3e38, 3e38], [0.5, 0.5]),
@@ -245,7 +245,7 @@ def test_normalize_survives_norm_underflow_and_overflow(kind, g, want):
     lambda: optclip.l2_normalize(param_ndim=1), lambda: optclip.l1_normalize(param_ndim=1),
     lambda: optclip.l1q_normalize(1.0, param_ndim=1)])
 def test_zero_slice_stays_zero_in_half_precision(factory, dtype):
-    """spec §6 D5: float32's tiny rounds to 0 in float16, and the reference returns NaN."""
+    """float32's tiny rounds to 0 in float16, and the reference returns NaN."""
     g = arr([[0.0, 0.0], [3.0, -4.0]], dtype)
     tx = factory()
     out, _ = tx.update(g, tx.init(g))
@@ -261,7 +261,7 @@ def test_normalize_eps_zero_keeps_zero_slice():
 
 
 # ---------------------------------------------------------------------------------------------
-# §7.4 sign, projections, clamps, chains: (name, make, x, g, g' or None, x').
+# rai_toolbox sign, projections, clamps, chains: (name, make, x, g, g' or None, x').
 
 def l2_projected(eps, param_ndim, lr):
     return optax.chain(optclip.l2_normalize(param_ndim), optax.sgd(lr),
@@ -320,14 +320,14 @@ CHAIN_VECTORS = {
 
 
 @pytest.mark.parametrize("case", CHAIN_VECTORS, ids=str)
-def test_sign_clamp_projection_chain_spec_vectors(case):
+def test_sign_clamp_projection_chain_reference_vectors(case):
     make, x, g, want_x = CHAIN_VECTORS[case]
     (got_x,) = steps(make(), x, [g])
     np.testing.assert_allclose(got_x, np.asarray(want_x, F32), **TOL)
 
 
 def test_l2_projection_lands_inside_the_sphere_and_exact_option():
-    """spec §6 S9: the 1e-7 of torch's renorm, and the exact ε/ν option."""
+    """The 1e-7 of torch's renorm, and the exact ε/ν option."""
     x = arr([0.003, 0.004])
     for exact, want in [(False, [0.000599988038, 0.000799984089]), (True, [0.0006, 0.0008])]:
         tx = optclip.project_l2_ball(0.001, param_ndim=None, exact=exact)
@@ -345,7 +345,7 @@ def test_l2_projection_lands_inside_the_sphere_and_exact_option():
 
 
 # ---------------------------------------------------------------------------------------------
-# §7.5 Frank-Wolfe.
+# rai_toolbox Frank-Wolfe.
 
 FW = {"l1": optclip.l1_frank_wolfe, "l2": optclip.l2_frank_wolfe,
       "linf": optclip.linf_frank_wolfe}
@@ -369,7 +369,7 @@ FW_THREE_STEPS = {
     "l1-rows": (lambda: optclip.l1_frank_wolfe(1.5),
                 [[[0, 0, -1.5], [1.5, 0, 0]], [[1, 0, -0.5], [0.5, 1, 0]],
                  [[0.5, 0, -1], [1, 0.5, 0]]]),
-    # The reference's L1 LMO is wrong for 2-axis slices (spec §6 D2): this is the intended row.
+    # The reference's L1 LMO is wrong for 2-axis slices: this is the intended row.
     "l1-whole": (lambda: optclip.l1_frank_wolfe(1.5, param_ndim=None),
                  [[[0, 0, 0], [1.5, 0, 0]], [[0, 0, 0], [0.5, 1, 0]],
                   [[0, 0, 0], [1, 0.5, 0]]]),
@@ -409,7 +409,7 @@ FW_THREE_STEPS = {
 
 
 @pytest.mark.parametrize("case", FW_THREE_STEPS, ids=str)
-def test_frank_wolfe_three_step_spec_vectors(case):
+def test_frank_wolfe_three_step_reference_vectors(case):
     make, want = FW_THREE_STEPS[case]
     got = steps(make(), X0, [G2, G2B, G2])
     for step, (got_x, want_x) in enumerate(zip(got, want, strict=True)):
@@ -471,7 +471,7 @@ def test_l1_frank_wolfe_on_a_vector(param_ndim, want):
 
 
 def test_l1_lmo_flattens_two_axis_slices():
-    """spec §6 D2 (a): one-hot at the first argmax of the flattened slice."""
+    """One-hot at the first argmax of the flattened slice."""
     got = steps(optclip.l1_frank_wolfe(1.0, param_ndim=None), np.zeros((2, 3)),
                 [[[0.1, -5, 0.2], [0.3, 0.4, -0.6]]])
     np.testing.assert_allclose(got[0], [[0, 1, 0], [0, 0, 0]])
@@ -538,10 +538,11 @@ def test_frank_wolfe_alpha_schedule_and_stats():
 
 
 # ---------------------------------------------------------------------------------------------
-# NumPy oracles, written from the spec (§1.2 slicing, §2.2, §2.3, §2.5, §2.6, §2.8, §2.9).
+# NumPy oracles, written from rai_toolbox's formulas (slicing, normalizations, top-q, projections,
+# Frank-Wolfe).
 
 def oracle_slices(x, param_ndim):
-    """(B, D) view per spec §1.2."""
+    """The (B, D) view of a leaf: B slices of D entries."""
     n = x.ndim
     k = n if param_ndim is None else (param_ndim if param_ndim >= 0 else n + param_ndim)
     batch = int(np.prod(x.shape[: n - k]))
@@ -700,8 +701,8 @@ def test_top_q_keeps_exactly_k_entries_per_slice(case, q):
 
 
 def caveat(p, step):
-    """The rounding of ``apply_updates``: half an ulp of the larger of ``|p|`` and ``|P(x) - p|``
-    (spec §4.2), doubled for safety."""
+    """The rounding of ``apply_updates``: half an ulp of the larger of ``|p|`` and ``|P(x) - p|``,
+    doubled for safety."""
     return np.spacing(np.maximum(np.abs(np.asarray(p)), np.abs(np.asarray(step))))
 
 
@@ -734,7 +735,7 @@ def test_projections_land_inside_the_ball(p_case, u_case, epsilon):
 
 
 def test_one_ulp_caveat_of_projection_updates():
-    """apply_updates may land one ulp outside the bound (spec §4.2)."""
+    """apply_updates may land one ulp outside the bound."""
     rng = np.random.default_rng(0)
     p = jnp.asarray(rng.uniform(-1, 1, 4096), jnp.float32)
     u = jnp.asarray(rng.normal(size=4096), jnp.float32)
@@ -778,7 +779,7 @@ def test_random_q_draws_stay_in_range_differ_between_steps_and_set_k():
     (0.377667189, 10, 6), (0.509937406, 1, 0), (0.351002455, 10, 6), (0.613134086, 1, 0),
     (0.244383484, 10, 8), (0.719913185, 1, 0)])
 def test_drawn_q_to_k_matches_the_reference_draws(q_t, size, k):
-    """The q_t torch drew in spec §7.2 (seed 123) and the k it used."""
+    """The q_t torch drew for the top-q vectors (seed 123) and the k it used."""
     from optclip._core.slices import traced_k as _traced_k
     assert int(_traced_k(jnp.float32(q_t), size)) == k
 
@@ -860,7 +861,7 @@ def test_masked_leaves_pass_and_the_others_move():
 
 
 @pytest.mark.parametrize("call,match", [
-    (lambda: optclip.top_q(), "q"),                                  # q is required (§6 D1)
+    (lambda: optclip.top_q(), "q"),                                  # q is required
     (lambda: optclip.l1q_normalize(), "q"),
     (lambda: optclip.project_l2_ball(), "epsilon"),
     (lambda: optclip.project_linf_ball(), "epsilon"),
