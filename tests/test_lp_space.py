@@ -25,7 +25,7 @@ X1 = np.ones((2, 3))
 G3 = [[[1.0, -2.0], [2.0, 0.5]], [[0.0, 3.0], [-4.0, 0.0]]]
 G2B = [[-1.0, 0.5, 0.25], [2.0, -4.0, 1.0]]
 X0 = [[0.1, 0.2, -0.3], [0.0, 0.5, 0.2]]
-# Spec vectors are printed with 9 significant digits; parameters may differ from torch's fused
+# Reference vectors are printed with 9 significant digits; parameters may differ from torch's fused
 # multiply-add by one ulp.
 TOL = dict(rtol=3e-7, atol=2e-7)
 
