@@ -149,31 +149,30 @@ def clip_value_growth(
         return stats_lib.own_buffers(ClipValueGrowthState(
             zero, prev, ratio, jax.tree.map(lambda r: jnp.zeros((), bool), ratio), zero))
 
+    def leaf_step(x, prev, first, hp):
+        """``(output, new reference, max ratio, clipped, finite)`` of one floating leaf."""
+        finite = stats_lib.leaf_finite(x)
+        if identity:
+            ratio, limited = jnp.ones((), prev.dtype), jnp.zeros((), bool)
+        else:
+            ratio, limited = _value_stats(x, prev, hp, axis_name)
+        out, new_prev = _value_step(x, prev, first, hp, limited | ~finite)
+        ratio = jnp.where(first, 1, ratio).astype(ratio.dtype)
+        return out, new_prev, ratio, limited & ~first, finite
+
     def update_fn(updates, state, params=None):
         del params
-        leaves, (prevs,), treedef = trees.flatten_with(updates, state.prev)
-        floats = [i for i, x in enumerate(leaves) if norms.is_float(x)]
         first = state.count == 0
         hp = _limits_at(state.count, add, mul, min_value, max_decay)
-        finite = {i: stats_lib.leaf_finite(leaves[i]) for i in floats}
-        if identity:
-            stats = {i: (jnp.ones((), prevs[i].dtype), jnp.zeros((), bool)) for i in floats}
-        else:
-            stats = {i: _value_stats(leaves[i], prevs[i], hp, axis_name) for i in floats}
-        outputs, new_prev = list(leaves), [None] * len(leaves)
-        for i in floats:
-            changed = stats[i][1] | ~finite[i]
-            outputs[i], new_prev[i] = _value_step(leaves[i], prevs[i], first, hp, changed)
-        ok = stats_lib.all_of(list(finite.values()), axis_name)
+        outputs, new_prev, max_ratio, clipped, finite = trees.tree_unzip_with(
+            lambda x, prev: leaf_step(x, prev, first, hp) if norms.is_float(x)
+            else (x, None, None, None, None), updates, state.prev, n=5)
+        ok = stats_lib.all_of(jax.tree.leaves(finite), axis_name)
         if _may_overflow(max_decay):    # a reference growing by 1 / max_decay per step
-            ok = ok & stats_lib.all_finite([new_prev[i] for i in floats], axis_name)
-        max_ratio = {i: jnp.where(first, 1, m).astype(m.dtype) for i, (m, _) in stats.items()}
-        clipped = {i: c & ~first for i, (_, c) in stats.items()}
-        new = ClipValueGrowthState(
-            optax.safe_increment(state.count), treedef.unflatten(new_prev),
-            trees.unflatten_at(treedef, max_ratio), trees.unflatten_at(treedef, clipped),
-            state.nonfinite)
-        return treedef.unflatten(outputs), stats_lib.commit(ok, new, state)
+            ok = ok & stats_lib.all_finite(new_prev, axis_name)
+        new = ClipValueGrowthState(optax.safe_increment(state.count), new_prev, max_ratio,
+                                   clipped, state.nonfinite)
+        return outputs, stats_lib.commit(ok, new, state)
 
     return checks.transformation(init_fn, update_fn)
 

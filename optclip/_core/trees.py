@@ -19,6 +19,15 @@ def tree_unzip(fn: Callable[[Any], tuple], tree: Any, n: int) -> tuple[Any, ...]
     return tuple(treedef.unflatten([r[i] for r in results]) for i in range(n))
 
 
+def tree_unzip_with(fn: Callable[..., tuple], tree: Any, *others: Any, n: int) -> tuple:
+    """Map ``fn(leaf, *matching entries of others)`` (-> n-tuple) over ``tree`` and return
+    ``n`` trees of ``tree``'s structure (``None`` where ``fn`` gives ``None``); ``others`` as in
+    :func:`flatten_with` (per-leaf state with ``None`` at some leaves)."""
+    leaves, entries, treedef = flatten_with(tree, *others)
+    results = [fn(*args) for args in zip(leaves, *entries)]
+    return tuple(treedef.unflatten([r[i] for r in results]) for i in range(n))
+
+
 def flatten_with(tree: Any, *others: Any) -> tuple[list, list[list], Any]:
     """Leaves of ``tree`` (``None`` kept as a leaf) and the matching entries of ``others``.
 
