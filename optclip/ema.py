@@ -581,44 +581,39 @@ def clip_value_by_ema(
             jax.tree.map(lambda s: jnp.zeros((), bool), per_leaf), zero))
 
     def update_fn(updates, state, params=None):
-        leaves, (old,), treedef = trees.flatten_with(updates, state.ema)
-        floats = [i for i, x in enumerate(leaves) if norms.is_float(x)]
         first = state.count == 0
+
+        def on_floats(fn, n):
+            return lambda x, *rest: fn(x, *rest) if norms.is_float(x) else (x,) + (None,) * n
+
         # The step's statistics first: a non-finite step leaves the EMA as it was.
-        peak = {i: max_abs(leaves[i]) for i in floats}
-        ok = stats_lib.all_of([stats_lib.leaf_finite(leaves[i]) for i in floats], axis_name)
-        ema = [None] * len(leaves)
-        for i in floats:
-            moved = _moved(jnp.abs(leaves[i]), old[i], first, beta, ema_init)
-            ema[i] = jnp.where(ok, moved, old[i])
-        ema_tree = treedef.unflatten(ema)
-        bound, transform_state = transform.update(ema_tree, state.ema_transform_state, params)
-        outputs, clipped = _clamp_to(leaves, treedef.flatten_up_to(bound), floats, axis_name)
-        new = ClipValueByEMAState(optax.safe_increment(state.count), ema_tree, transform_state,
-                                  trees.unflatten_at(treedef, peak),
-                                  trees.unflatten_at(treedef, clipped), state.nonfinite)
+        _, peak, finite = trees.tree_unzip_with(
+            on_floats(lambda x, e: (x, max_abs(x), stats_lib.leaf_finite(x)), 2),
+            updates, state.ema, n=3)
+        ok = stats_lib.all_of(jax.tree.leaves(finite), axis_name)
+        _, ema = trees.tree_unzip_with(on_floats(lambda x, e: (x, jnp.where(
+            ok, _moved(jnp.abs(x), e, first, beta, ema_init), e)), 1), updates, state.ema, n=2)
+        bound, transform_state = transform.update(ema, state.ema_transform_state, params)
+        outputs, clipped = trees.tree_unzip_with(
+            on_floats(lambda x, b: _clamp_to(x, b, axis_name), 1), updates, bound, n=2)
+        new = ClipValueByEMAState(optax.safe_increment(state.count), ema, transform_state,
+                                  peak, clipped, state.nonfinite)
         # The EMA was committed above (the bound reads it): not a second select over it.
-        return treedef.unflatten(outputs), stats_lib.commit(ok, new, state)._replace(
-            ema=ema_tree)
+        return outputs, stats_lib.commit(ok, new, state)._replace(ema=ema)
 
     return checks.transformation(init_fn, update_fn)
 
 
-def _clamp_to(leaves: list, bounds: list, floats: list[int], axis_name: AxisName):
-    """Each float leaf clamped to ``[-B, B]`` (its bound), and per leaf whether it was clamped.
+def _clamp_to(x: jax.Array, b: jax.Array, axis_name: AxisName):
+    """A float leaf clamped to ``[-B, B]`` (its bound), and whether it was clamped.
 
     The clamp is applied where the leaf was clamped somewhere (elsewhere it is the identity),
     so XLA computes that flag before it writes the output, and can write the output over the
     donated updates instead of copying them first.
     """
-    outputs, clipped = list(leaves), {}
-    for i in floats:
-        x, b = leaves[i], bounds[i]
-        wide = x.astype(b.dtype)
-        # A float reduction (XLA:CPU's fast path); |x| - B > 0 exactly when |x| > B.
-        clipped[i] = norms.any_true(jnp.max(jnp.abs(wide) - b, initial=-jnp.inf) > 0,
-                                    axis_name)
-        # Lower clamp first, then the upper one: where B < 0 the result is B.
-        clamped = jnp.minimum(jnp.maximum(wide, -b), b).astype(x.dtype)
-        outputs[i] = jnp.where(clipped[i], clamped, x)
-    return outputs, clipped
+    wide = x.astype(b.dtype)
+    # A float reduction (XLA:CPU's fast path); |x| - B > 0 exactly when |x| > B.
+    clipped = norms.any_true(jnp.max(jnp.abs(wide) - b, initial=-jnp.inf) > 0, axis_name)
+    # Lower clamp first, then the upper one: where B < 0 the result is B.
+    clamped = jnp.minimum(jnp.maximum(wide, -b), b).astype(x.dtype)
+    return jnp.where(clipped, clamped, x), clipped
