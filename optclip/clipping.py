@@ -154,7 +154,7 @@ def _peaks_and_flags(updates: Any, axis_name: AxisName) -> tuple[Any, Any]:
     peaks = iter([jnp.maximum(norms.across(m, "max", sp), 0) for m, sp in zip(maxima, split)])
     sums = iter(norms.leaf_reductions(floats, lambda g: g * jnp.zeros((), g.dtype)))
     return trees.tree_unzip(lambda g: (next(peaks), next(sums) == 0) if norms.is_float(g)
-                            else (None, None), updates, 2)
+                            else (None, None), updates, n=2)
 
 
 def _clip_grad_norm(grads, max_norm, ord, dim, inverse_dims, min_size, min_norm, axis_name=None):

@@ -587,14 +587,14 @@ def clip_value_by_ema(
             return lambda x, *rest: fn(x, *rest) if norms.is_float(x) else (x,) + (None,) * n
 
         # The step's statistics first: a non-finite step leaves the EMA as it was.
-        _, peak, finite = trees.tree_unzip_with(
+        _, peak, finite = trees.tree_unzip(
             on_floats(lambda x, e: (x, max_abs(x), stats_lib.leaf_finite(x)), 2),
             updates, state.ema, n=3)
         ok = stats_lib.all_of(jax.tree.leaves(finite), axis_name)
-        _, ema = trees.tree_unzip_with(on_floats(lambda x, e: (x, jnp.where(
+        _, ema = trees.tree_unzip(on_floats(lambda x, e: (x, jnp.where(
             ok, _moved(jnp.abs(x), e, first, beta, ema_init), e)), 1), updates, state.ema, n=2)
         bound, transform_state = transform.update(ema, state.ema_transform_state, params)
-        outputs, clipped = trees.tree_unzip_with(
+        outputs, clipped = trees.tree_unzip(
             on_floats(lambda x, b: _clamp_to(x, b, axis_name), 1), updates, bound, n=2)
         new = ClipValueByEMAState(optax.safe_increment(state.count), ema, transform_state,
                                   peak, clipped, state.nonfinite)

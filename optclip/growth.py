@@ -164,7 +164,7 @@ def clip_value_growth(
         del params
         first = state.count == 0
         hp = _limits_at(state.count, add, mul, min_value, max_decay)
-        outputs, new_prev, max_ratio, clipped, finite = trees.tree_unzip_with(
+        outputs, new_prev, max_ratio, clipped, finite = trees.tree_unzip(
             lambda x, prev: leaf_step(x, prev, first, hp) if norms.is_float(x)
             else (x, None, None, None, None), updates, state.prev, n=5)
         ok = stats_lib.all_of(jax.tree.leaves(finite), axis_name)

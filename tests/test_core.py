@@ -348,7 +348,7 @@ def test_one_rule_for_floating_leaves_python_floats_count_once_made_arrays():
     assert int(state.nonfinite) == 1 and np.isnan(out["t"])
 
 
-def test_tree_unzip_with_matches_per_leaf_state_with_none_entries():
+def test_tree_unzip_matches_per_leaf_state_with_none_entries():
     """Per-leaf results of a tree and its per-leaf state (``None`` at integer leaves) come back
     as trees of the updates' structure, each leaf paired with its own state entry."""
     updates = {"a": jnp.array([1.0, 2.0]), "i": jnp.array([3], jnp.int32), "b": jnp.array(4.0)}
@@ -358,7 +358,7 @@ def test_tree_unzip_with_matches_per_leaf_state_with_none_entries():
     def fn(x, s):
         return (x, None) if s is None else (x + s, s * 2)
 
-    first, second = trees.tree_unzip_with(fn, updates, state, n=2)
+    first, second = trees.tree_unzip(fn, updates, state, n=2)
     np.testing.assert_array_equal(first["a"], [11.0, 12.0])
     np.testing.assert_array_equal(first["b"], 14.0)
     np.testing.assert_array_equal(first["i"], [3])

@@ -12,17 +12,11 @@ import jax.numpy as jnp
 from optclip._core import norms
 
 
-def tree_unzip(fn: Callable[[Any], tuple], tree: Any, n: int) -> tuple[Any, ...]:
-    """Map ``fn`` (leaf -> n-tuple) over ``tree`` and return ``n`` trees of the same structure."""
-    leaves, treedef = jax.tree.flatten(tree)
-    results = [fn(x) for x in leaves]
-    return tuple(treedef.unflatten([r[i] for r in results]) for i in range(n))
-
-
-def tree_unzip_with(fn: Callable[..., tuple], tree: Any, *others: Any, n: int) -> tuple:
+def tree_unzip(fn: Callable[..., tuple], tree: Any, *others: Any, n: int) -> tuple:
     """Map ``fn(leaf, *matching entries of others)`` (-> n-tuple) over ``tree`` and return
-    ``n`` trees of ``tree``'s structure (``None`` where ``fn`` gives ``None``); ``others`` as in
-    :func:`flatten_with` (per-leaf state with ``None`` at some leaves)."""
+    ``n`` trees of ``tree``'s structure (``None`` where ``fn`` gives ``None``). ``None`` leaves
+    of ``tree`` reach ``fn`` too; ``others`` as in :func:`flatten_with` (per-leaf state with
+    ``None`` at some leaves)."""
     leaves, entries, treedef = flatten_with(tree, *others)
     results = [fn(*args) for args in zip(leaves, *entries)]
     return tuple(treedef.unflatten([r[i] for r in results]) for i in range(n))
