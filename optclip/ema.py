@@ -272,9 +272,9 @@ def _leafwise(leaves, old, floats, move, state, treedef, rule: _Rule):
     state fields)``.
 
     The per-leaf decisions are taken on vectors (one entry per leaf, one vector per statistics
-    dtype), so they cost a fixed number of kernels whatever the leaf count; each leaf then reads
-    its entries through one small kernel (:func:`optclip._core.running.per_leaf_trees`). XLA:CPU
-    orders its kernels by comparing every pair of them, so kernels per leaf cost compile time
+    dtype), so they cost a fixed number of kernels whatever the leaf count; the leaves' entries
+    are then handed out by :func:`_spread` (one kernel per ``_SPREAD`` leaves). XLA:CPU orders
+    its kernels by comparing every pair of them, so kernels per leaf cost compile time
     quadratic in the leaf count.
     """
     groups: dict[Any, list[int]] = {}
