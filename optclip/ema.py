@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optclip._core import checks, norms, running, trees
+from optclip._core import checks, handout, norms, running, trees
 from optclip._core import stats as stats_lib
 from optclip._core.norms import AxisName, Ord
 
@@ -273,9 +273,8 @@ def _leafwise(leaves, old, floats, move, state, treedef, rule: _Rule):
 
     The per-leaf decisions are taken on vectors (one entry per leaf, one vector per statistics
     dtype), so they cost a fixed number of kernels whatever the leaf count; the leaves' entries
-    are then handed out by :func:`_spread` (one kernel per ``_SPREAD`` leaves). XLA:CPU orders
-    its kernels by comparing every pair of them, so kernels per leaf cost compile time
-    quadratic in the leaf count.
+    are then handed out by :func:`optclip._core.handout.rows` (one kernel per group of
+    leaves).
     """
     groups: dict[Any, list[int]] = {}
     for i in floats:
@@ -289,71 +288,12 @@ def _leafwise(leaves, old, floats, move, state, treedef, rule: _Rule):
         norm, step, _ = decided[dtype]
         committed = {name: jnp.where(ok, v, _gathered(state, name, treedef, idx))
                      for name, v in _fields(norm, step).items()}
-        spread = _spread((1 / step.output, 1 / step.shrink, *committed.values()))
+        spread = handout.rows((1 / step.output, 1 / step.shrink, *committed.values()))
         for i, row in zip(idx, spread):
             rows[i] = row[:2]
             for name, value in zip(committed, row[2:]):
                 fields[name][i] = value
     return ok, rows, {name: trees.unflatten_at(treedef, v) for name, v in fields.items()}
-
-
-# Leaves whose entries one variadic reduce hands out (see _spread).
-_SPREAD = 8
-
-
-def _combine(a: tuple, b: tuple) -> tuple:
-    """Combiner of the variadic reduce in :func:`_spread` (module level: jax caches it)."""
-    return tuple(jax.lax.bitwise_or(u, v) if u.dtype == jnp.bool_ else jax.lax.add(u, v)
-                 for u, v in zip(a, b))
-
-
-def _neutral(dtype) -> jax.Array:
-    """``-0`` (``x + -0`` is ``x`` for every float, signed zeros and NaN included) or False."""
-    return jnp.asarray(False if dtype == jnp.bool_ else -0.0, dtype)
-
-
-def _spread(vectors: tuple[jax.Array, ...]) -> list[tuple[jax.Array, ...]]:
-    """Per leaf ``j``, entry ``j`` of every vector, each a 0-d array of its vector's dtype.
-
-    Each entry is its own buffer, written by one variadic reduce per ``_SPREAD`` leaves (the
-    entry combined with a neutral element; XLA:CPU flushes subnormals there, as in any of its
-    arithmetic, and none of these values is subnormal) instead of one kernel per entry: XLA:CPU
-    orders its kernels by comparing every pair of them (compile time quadratic in the kernel
-    count), and a kernel reading entry ``j`` of a vector is distinct for every ``j`` (compiled
-    once per leaf).
-    """
-    is_bool = [v.dtype == jnp.bool_ for v in vectors]
-    floats = iter(_handed_out(*[v for v, b in zip(vectors, is_bool) if not b]))
-    flags = iter(_hand_out(*[jax.lax.stop_gradient(v) for v, b in zip(vectors, is_bool) if b]))
-    count = vectors[0].shape[0]
-    table = [next(flags) if b else next(floats) for _ in range(count) for b in is_bool]
-    width = len(vectors)
-    return [tuple(table[j * width:(j + 1) * width]) for j in range(count)]
-
-
-def _hand_out(*vectors: jax.Array) -> tuple[jax.Array, ...]:
-    """Entry ``j`` of every vector, for every ``j`` in order (see :func:`_spread`)."""
-    if not vectors:
-        return ()
-    padded = [jnp.stack([v, jnp.full_like(v, _neutral(v.dtype))], axis=1) for v in vectors]
-    outs: list[jax.Array] = []
-    for start in range(0, vectors[0].shape[0], _SPREAD):
-        operands = tuple(p[j] for j in range(start, min(vectors[0].shape[0], start + _SPREAD))
-                         for p in padded)
-        outs += jax.lax.reduce(operands, tuple(_neutral(v.dtype) for v in operands), _combine,
-                               (0,))
-    return tuple(outs)
-
-
-def _sliced(*vectors: jax.Array) -> tuple[jax.Array, ...]:
-    """What :func:`_hand_out` returns, by plain indexing (linear and transposable)."""
-    return tuple(v[j] for j in range(vectors[0].shape[0]) for v in vectors) if vectors else ()
-
-
-# jax differentiates no variadic reduce (symbolic-zero tangents, no transpose): derivatives of
-# the hand-out go through plain indexing, which is only traced where something differentiates.
-_handed_out = jax.custom_jvp(_hand_out)
-_handed_out.defjvp(lambda primals, tangents: (_hand_out(*primals), _sliced(*tangents)))
 
 
 def _gathered(state, name: str, treedef, idx: list[int]) -> jax.Array:

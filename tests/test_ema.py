@@ -466,30 +466,3 @@ def test_empty_leaves_keep_statistics_finite(ord, tensorwise):
         out, state = tx.update(tree, state)
     assert int(state.count) == 2 and int(state.nonfinite) == 0
     assert all(np.all(np.isfinite(x)) for x in to_np(out))
-
-
-def test_per_leaf_entries_handed_out_exactly_with_derivatives():
-    """The per-leaf decisions are taken on vectors and handed out per leaf by variadic
-    reduces: every entry comes back bit for bit (signed zeros, NaN, Inf, flags), in blocks
-    that do not divide the leaf count, and derivatives flow through them."""
-    from optclip import ema
-
-    values = np.array([-0.0, 0.0, np.nan, -np.inf, 3.5, -1e-30, 7.0, 1e38, -2.0, 1.0, 5.0],
-                      np.float32)
-    flags = np.arange(values.size) % 3 == 0
-    rows = jax.jit(lambda v, f: ema._spread((v, f, 2 * v)))(values, flags)
-    assert len(rows) == values.size
-    for j, (v, f, w) in enumerate(rows):
-        assert v.shape == () and v.dtype == jnp.float32 and f.dtype == jnp.bool_
-        np.testing.assert_array_equal(np.asarray(v), values[j])
-        assert np.signbit(v) == np.signbit(values[j])
-        assert bool(f) == flags[j]
-        np.testing.assert_array_equal(np.asarray(w), 2 * values[j])
-    weights = np.arange(values.size, dtype=np.float32)
-
-    def total(v):
-        return sum(w * r[0] + r[2] for w, r in zip(weights, ema._spread((v, v > 0, v))))
-
-    np.testing.assert_array_equal(jax.grad(total)(jnp.ones(values.size)), weights + 1)
-    np.testing.assert_array_equal(jax.jvp(total, (jnp.ones(values.size),),
-                                          (jnp.ones(values.size),))[1], weights.sum() + 11)

@@ -11,7 +11,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from optclip._core import checks, norms
+from optclip._core import checks, handout, norms
 from optclip._core import stats as stats_lib
 
 Parity = Literal["fixed", "reference"]
@@ -41,26 +41,10 @@ def check_parity(parity: Any) -> None:
     checks.one_of("parity", parity, PARITY)
 
 
-def _rows(vectors: tuple[jax.Array, ...], count: int) -> list[tuple[jax.Array, ...]]:
-    """Entry ``j`` of every vector, for ``j < count``: one small kernel per leaf.
-
-    XLA:CPU compiles each distinct kernel once and reuses it for every identical one: a
-    computation per leaf that reads ``vector[j]`` is distinct for every ``j``, so compile time
-    grows with the leaf count times that computation's size. Here each leaf reads its entries
-    with one small kernel (a column of the stacked vectors, kept in memory by an optimization
-    barrier); what follows reads fixed positions of that column, identical for every leaf of a
-    shape, and is compiled once.
-    """
-    dtype = jnp.result_type(*vectors)
-    stacked = norms.computed_once(jnp.stack([v.astype(dtype) for v in vectors], axis=1))
-    columns = [norms.computed_once(stacked[j]) for j in range(count)]
-    return [tuple(c[i].astype(v.dtype) for i, v in enumerate(vectors)) for c in columns]
-
-
 def per_leaf_trees(tree: Any, *vectors: jax.Array) -> tuple[Any, ...]:
     """For each vector, a tree mirroring ``tree``: entry ``j`` at the ``j``-th float leaf."""
     leaves, treedef = jax.tree.flatten(tree)
-    rows = iter(_rows(vectors, sum(map(norms.is_float, leaves))))
+    rows = iter(handout.rows(vectors))
     per_leaf = [next(rows) if norms.is_float(x) else (None,) * len(vectors) for x in leaves]
     return tuple(treedef.unflatten([r[i] for r in per_leaf]) for i in range(len(vectors)))
 
@@ -90,8 +74,8 @@ def apply_scale(updates: Any, factor: jax.Array, per_leaf: bool, old: dict[str, 
     ``factor`` and every diagnostic hold one entry per float leaf (``per_leaf``) or one scalar.
     Returns the scaled updates and, per diagnostic name, its new value: the step's entry where
     finite, else the ``old[name]`` entry; ``clipped`` (``factor < 1``) is added. Per leaf the
-    values are trees mirroring ``updates``, all read from the vectors by one small kernel per
-    leaf (:func:`_rows`), so the per-leaf computations stay identical across leaves.
+    values are trees mirroring ``updates``, handed out from the vectors by
+    :func:`optclip._core.handout.rows` (one kernel per group of leaves).
     """
     names = list(diagnostics)
     if per_leaf and factor.shape[0]:
