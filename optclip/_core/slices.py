@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optclip._core import axes as axes_lib
-from optclip._core import checks, norms, stats
+from optclip._core import checks, handout, norms, stats
 
 # rai_toolbox's ``div_by_zero_eps`` default: float32's smallest normal number, 2**-126.
 TINY = float(np.finfo(np.float32).tiny)
@@ -630,6 +630,25 @@ def normalize_multiplier(norm: jax.Array, target: jax.Array, eps=None) -> jax.Ar
     return jnp.where(norm > norms.TINY_NORM, target / jnp.where(norm > norms.TINY_NORM, norm, 1), 1)
 
 
+def _whole_leaf_factors(leaves: list[jax.Array], ord: float | str,
+                        multiplier: Callable[[jax.Array], jax.Array],
+                        axis_name: norms.AxisName) -> list[tuple[jax.Array, jax.Array]]:
+    """``(multiplier(norm), norm)`` per leaf, each 0-d in the leaf's wide dtype.
+
+    Where all leaves share one wide dtype, the norms form one vector, the multiplier runs once
+    on it, and :func:`optclip._core.handout.rows` hands each leaf its pair: a fixed number of
+    kernels per group of leaves instead of a factor computation per leaf.
+    """
+    if len({norms.acc_dtype(x.dtype) for x in leaves}) != 1:
+        each = norms.leaf_norms(leaves, ord, axis_name)
+        return [(multiplier(n), n) for n in each]
+    if ord == 2.0:
+        vector = norms.leaf_l2_norms(leaves, axis_name, vector=True)
+    else:
+        vector = norms.gather_scalars(norms.leaf_norms(leaves, ord, axis_name))
+    return handout.rows((multiplier(vector), vector))
+
+
 def scale_slices(
     tree: Any,
     ord: float | str,
@@ -669,23 +688,25 @@ def scale_slices(
         # One-element slices (no reduced axes) are never split across devices.
         return norms.split_axes([x], axis_name)[0] if axes else ()
 
-    def one_leaf(x, axes, whole_norm):
+    def one_leaf(x, axes, whole):
         if not norms.is_float(x):
             return x, None
         if axes is None:
             return x, jnp.zeros((), norms.acc_dtype(x.dtype))
-        norm = (whole_norm.reshape((1,) * x.ndim) if whole_norm is not None
-                else norms.slice_norm(x, ord, axes, leaf_split(x, axes)))
+        if whole is not None:  # (factor, norm) of a whole-leaf slice
+            return norms.scale(x, whole[0]), whole[1]
+        norm = norms.slice_norm(x, ord, axes, leaf_split(x, axes))
         return norms.scale(x, multiplier(norm)), jnp.squeeze(norm, axis=axes)
 
     leaves, treedef = jax.tree.flatten(tree)
     ndims = ([param_ndim] * len(leaves) if param_ndim is axes_lib._UNSET
              else axes_lib.leaf_param_ndims(param_ndim, tree))
     plan = [leaf_axes(x, d, k) for x, d, k in zip(leaves, axes_lib.leaf_dims(dim, tree), ndims)]
-    # Whole-leaf slices (at least one reduced axis) are measured together: one overflow test
-    # for all of them (norms.leaf_norms).
+    # Whole-leaf slices (at least one reduced axis) are measured together (one overflow test
+    # for all of them) and their factors taken on one vector (:func:`_whole_leaf_factors`).
     whole = [i for i, (x, axes) in enumerate(zip(leaves, plan))
              if axes and axes == tuple(range(x.ndim))]
-    measured = dict(zip(whole, norms.leaf_norms([leaves[i] for i in whole], ord, axis_name)))
+    measured = dict(zip(whole, _whole_leaf_factors([leaves[i] for i in whole], ord, multiplier,
+                                                   axis_name)))
     results = [one_leaf(x, axes, measured.get(i)) for i, (x, axes) in enumerate(zip(leaves, plan))]
     return tuple(treedef.unflatten([r[i] for r in results]) for i in range(2))
