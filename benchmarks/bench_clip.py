@@ -107,7 +107,9 @@ CASES: dict[str, Case] = {
     "stable_adamw_clip": Case("optclip.stable_adamw_clip(adam)", 2,
                               "per-leaf RMS(g^2/nu): reads g and nu; wraps adam"),
 }
-BIG_ONLY = ("clip_value", "clip_by_global_norm", "clip_norm_by_ema", "zclip", "skip_spikes")
+# One per family of per-leaf machinery (grouped reductions, per-leaf decisions on vectors).
+BIG_ONLY = ("clip_value", "clip_norm", "clip_by_global_norm", "clip_norm_by_ema",
+            "clip_norm_growth", "param_hist_clip", "zclip", "adagc", "skip_spikes")
 
 
 def make(case: Case) -> optax.GradientTransformation:
