@@ -602,7 +602,9 @@ def _square_partials(leaves: list[jax.Array], build: Callable[[], list] | None =
         return [next(it_p) if p else next(it_s) for p in paired]
 
     def scaled():
-        again = singles if build is None else [x for x, p in zip(build(), paired) if not p]
+        # Rebuilt only when some leaf is read again (tracing build() is not free).
+        again = (singles if build is None or not singles
+                 else [x for x, p in zip(build(), paired) if not p])
         return merge([q for _, q in pairs],
                      leaf_reductions(again, lambda x: _squares(_wide(x))[1]))
 
