@@ -12,6 +12,7 @@ continues as if the bad one had never happened; ``nonfinite`` counts such steps.
 
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import Any, NamedTuple
 
@@ -131,16 +132,20 @@ def _normalize_divisor(ratio: jax.Array, floor: jax.Array) -> jax.Array:
     return jnp.maximum(ratio, floor)
 
 
-def _moved(x: jax.Array, e: jax.Array, first: jax.Array, beta: Any, ema_init: str) -> jax.Array:
+def _restart_weight(first: jax.Array, dtype) -> jax.Array:
+    """The weight of the old EMA in the moved one's start: 0 on the first step, else 1."""
+    return jnp.where(first, 0, 1).astype(dtype)
+
+
+def _moved(x: jax.Array, e: jax.Array, keep: jax.Array, beta: Any, ema_init: str) -> jax.Array:
     """The EMA leaf moved toward ``x`` (the update, or its magnitude), restarted on the first
-    step at 0 (``'zeros'``) or at ``x`` (``'update'``).
+    step at 0 (``'zeros'``) or at ``x`` (``'update'``); ``keep`` is :func:`_restart_weight`.
 
     The restart is a scalar weight (``e`` and ``x`` are finite wherever the result is kept, so
     a term times 0 is 0), not an elementwise select: XLA:CPU then fuses the whole expression
     into each reduction that reads it instead of writing it out first.
     """
     x = x.astype(e.dtype)
-    keep = jnp.where(first, 0, 1).astype(e.dtype)
     start = e * keep + (x * (1 - keep) if ema_init == "update" else 0)
     return running.lerp(start, x, _ema_weight(beta, start.dtype))
 
@@ -210,8 +215,19 @@ def _norm_by_ema(divisor_rule, state_cls, beta, ord, eps, tensorwise, max_ema_gr
         leaves, (old,), treedef = trees.flatten_with(updates, state.ema)
         floats = [i for i, x in enumerate(leaves) if norms.is_float(x)]
 
-        def move(i):
-            return _moved(leaves[i], old[i], first, beta, ema_init)
+        keep = {dtype: _restart_weight(first, dtype)
+                for dtype in {jnp.dtype(old[i].dtype) for i in floats}}
+        moved: dict[int, jax.Array] = {}
+
+        def move(i, fresh=False):
+            """Leaf ``i``'s moved EMA, traced once (``fresh``: traced again, for a branch
+            that recomputes it instead of keeping it)."""
+            if fresh or i not in moved:
+                value = _moved(leaves[i], old[i], keep[jnp.dtype(old[i].dtype)], beta, ema_init)
+                if fresh:
+                    return value
+                moved[i] = value
+            return moved[i]
 
         rule = _Rule(first, growth, divisor_rule, ord, eps, axis_name)
         if tensorwise:
@@ -225,7 +241,7 @@ def _norm_by_ema(divisor_rule, state_cls, beta, ord, eps, tensorwise, max_ema_gr
             # where it would write a quotient out first (it never copies a division).
             outputs[i] = norms.scale(leaves[i], out_factor)
             # The EMA is moved, rescaled and committed in the one pass that writes it.
-            ema[i] = jnp.where(ok, move(i) * ema_factor.astype(old[i].dtype), old[i])
+            ema[i] = jax.lax.select(ok, move(i) * ema_factor.astype(old[i].dtype), old[i])
         new = state._replace(count=jnp.where(ok, optax.safe_increment(state.count), state.count),
                              ema=treedef.unflatten(ema),
                              nonfinite=stats_lib.count_nonfinite(state.nonfinite, ok), **fields)
@@ -310,13 +326,19 @@ def _decide_group(leaves, idx, move, state, treedef, rule: _Rule):
     measurable = np.array([norms.metric_defined(rule.ord, x.size * norms.axes_size(axes))
                            for x, axes in zip(xs, split)])
 
-    def build():
-        return xs + [move(i) for i in idx]
+    def rebuild():
+        return xs + [move(i, fresh=True) for i in idx]
 
+    # Where no leaf can be read a second time (under the scalar cond of an overflowed sum of
+    # squares, for large leaves or several devices), the moved EMAs are traced once and shared
+    # with the commit; otherwise that branch recomputes them (``rebuild``) instead of keeping
+    # them.
+    once = jax.device_count() == 1 and all(x.size <= norms.PAIR_MAX_ELEMENTS for x in xs)
+    arrays = xs + [move(i) for i in idx] if once else rebuild
     if rule.ord == 2.0:
-        both = norms.leaf_l2_norms(build, rule.axis_name, vector=True)
+        both = norms.leaf_l2_norms(arrays, rule.axis_name, vector=True)
     else:
-        both = norms.gather_scalars(norms.leaf_norms(build, rule.ord, rule.axis_name))
+        both = norms.gather_scalars(norms.leaf_norms(arrays, rule.ord, rule.axis_name))
     n = len(idx)
     a, b = both[:n].astype(dtype), both[n:].astype(dtype)
     if not measurable.all():
@@ -509,9 +531,6 @@ def clip_value_by_ema(
     transform = ema_transform if ema_transform is not None else optax.identity()
     norms.check_axis_name(axis_name)
 
-    def max_abs(x):
-        return norms.leaf_norm(x, float("inf"), axis_name)
-
     def init_fn(params):
         ema = _float_zeros(params)
         per_leaf = jax.tree.map(lambda e: jnp.zeros((), e.dtype), ema)
@@ -522,38 +541,58 @@ def clip_value_by_ema(
 
     def update_fn(updates, state, params=None):
         first = state.count == 0
-
-        def on_floats(fn, n):
-            return lambda x, *rest: fn(x, *rest) if norms.is_float(x) else (x,) + (None,) * n
-
+        keep = functools.cache(lambda dtype: _restart_weight(first, dtype))
+        leaves, (old,), treedef = trees.flatten_with(updates, state.ema)
+        floats = [i for i, x in enumerate(leaves) if norms.is_float(x)]
+        xs = [leaves[i] for i in floats]
         # The step's statistics first: a non-finite step leaves the EMA as it was.
-        _, peak, finite = trees.tree_unzip(
-            on_floats(lambda x, e: (x, max_abs(x), stats_lib.leaf_finite(x)), 2),
-            updates, state.ema, n=3)
-        ok = stats_lib.all_of(jax.tree.leaves(finite), axis_name)
-        _, ema = trees.tree_unzip(on_floats(lambda x, e: (x, jnp.where(
-            ok, _moved(jnp.abs(x), e, first, beta, ema_init), e)), 1), updates, state.ema, n=2)
+        ok = stats_lib.all_finite(xs, axis_name)
+        ema = trees.unflatten_at(treedef, {i: jax.lax.select(ok, _moved(
+            jnp.abs(leaves[i]), old[i], keep(old[i].dtype), beta, ema_init), old[i])
+            for i in floats})
         bound, transform_state = transform.update(ema, state.ema_transform_state, params)
-        outputs, clipped = trees.tree_unzip(
-            on_floats(lambda x, b: _clamp_to(x, b, axis_name), 1), updates, bound, n=2)
-        new = ClipValueByEMAState(optax.safe_increment(state.count), ema, transform_state,
-                                  peak, clipped, state.nonfinite)
+        (bounds,) = trees.flatten_with(updates, bound)[1]
+        outputs, clipped = _clamped(xs, [bounds[i] for i in floats], axis_name)
+        new = ClipValueByEMAState(
+            optax.safe_increment(state.count), ema, transform_state,
+            trees.unflatten_at(treedef, dict(zip(floats, _peaks(xs, axis_name)))),
+            trees.unflatten_at(treedef, dict(zip(floats, clipped))), state.nonfinite)
         # The EMA was committed above (the bound reads it): not a second select over it.
-        return outputs, stats_lib.commit(ok, new, state)._replace(ema=ema)
+        outputs = dict(zip(floats, outputs))
+        return (treedef.unflatten([outputs.get(i, x) for i, x in enumerate(leaves)]),
+                stats_lib.commit(ok, new, state)._replace(ema=ema))
 
     return checks.transformation(init_fn, update_fn)
 
 
-def _clamp_to(x: jax.Array, b: jax.Array, axis_name: AxisName):
-    """A float leaf clamped to ``[-B, B]`` (its bound), and whether it was clamped.
+def _peaks(xs: list[jax.Array], axis_name: AxisName) -> list[jax.Array]:
+    """Largest ``|x|`` of each leaf (``norms.leaf_norm(x, inf)``), same-shape leaves reduced
+    together (:func:`optclip._core.norms.leaf_reductions`)."""
+    local = norms.leaf_reductions(xs, lambda x: jnp.abs(x.astype(norms.acc_dtype(x.dtype))),
+                                  "max")
+    return [jnp.maximum(norms.across(p, "max", split), 0.0)
+            for p, split in zip(local, norms.split_axes(xs, axis_name))]
+
+
+def _clamped(xs: list[jax.Array], bounds: list[jax.Array], axis_name: AxisName
+             ) -> tuple[list[jax.Array], list[jax.Array]]:
+    """Per leaf of ``xs``: the leaf clamped to ``[-B, B]`` (its bound), and
+    whether it was clamped.
 
     The clamp is applied where the leaf was clamped somewhere (elsewhere it is the identity),
     so XLA computes that flag before it writes the output, and can write the output over the
-    donated updates instead of copying them first.
+    donated updates instead of copying them first. The flags come from one float maximum
+    (XLA:CPU's fast path) per group of same-shape leaves: ``|x| - B > 0`` exactly when
+    ``|x| > B``.
     """
-    wide = x.astype(b.dtype)
-    # A float reduction (XLA:CPU's fast path); |x| - B > 0 exactly when |x| > B.
-    clipped = norms.any_true(jnp.max(jnp.abs(wide) - b, initial=-jnp.inf) > 0, axis_name)
-    # Lower clamp first, then the upper one: where B < 0 the result is B.
-    clamped = jnp.minimum(jnp.maximum(wide, -b), b).astype(x.dtype)
-    return jnp.where(clipped, clamped, x), clipped
+    wide = [x.astype(b.dtype) for x, b in zip(xs, bounds)]
+    excess = norms.leaf_reductions([jnp.abs(w) - b for w, b in zip(wide, bounds)],
+                                   lambda v: v, "max")
+    outputs, clipped = [], []
+    for x, w, b, e in zip(xs, wide, bounds, excess):
+        flag = norms.any_true(e > 0, axis_name)
+        # Lower clamp first, then the upper one: where B < 0 the result is B.
+        clamped = jnp.minimum(jnp.maximum(w, -b), b).astype(x.dtype)
+        outputs.append(jax.lax.select(flag, clamped, x))
+        clipped.append(flag)
+    return outputs, clipped
