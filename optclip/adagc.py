@@ -13,9 +13,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from optclip._core import checks, norms, trees
+from optclip._core import checks, handout, norms, trees
 from optclip._core import stats as stats_lib
 
 __all__ = ["AdaGCState", "adagc"]
@@ -109,56 +110,89 @@ def adagc(
 
     def update_fn(updates, state, params=None):
         del params
+        leaves, treedef = jax.tree.flatten(updates)
+        floats = [i for i, x in enumerate(leaves) if norms.is_float(x)]
         count = state.count
-        warm = count < warmup_steps
-        leaf_norms, global_norm = _norms(updates, axis_name)
+        vector, global_norm = _norms([leaves[i] for i in floats], updates, axis_name)
         abs_thresh = checks.resolve(lambda_abs, count, global_norm.dtype)
-        warm_scale = jnp.minimum(1.0, abs_thresh / (global_norm + eps))
-
-        def leaf_scale(norm, gamma):
-            rel_thresh = checks.resolve(lambda_rel, count, gamma.dtype)
-            local = jnp.minimum(1.0, rel_thresh * gamma / (norm + eps))
-            return jnp.where(warm, warm_scale.astype(gamma.dtype), local)
-
-        def leaf_gamma(norm, gamma, scale):
-            clipped_norm = scale * norm
-            warm_gamma = jnp.where(count == 0, clipped_norm, jnp.minimum(gamma, clipped_norm))
-            return jnp.where(warm, warm_gamma, beta * gamma + (1 - beta) * clipped_norm)
-
-        scale = jax.tree.map(leaf_scale, leaf_norms, state.gamma)
-        out = jax.tree.map(lambda x, s: x if s is None else norms.scale(x, s), updates, scale)
-        new_state = AdaGCState(
-            count=count + 1, gamma=jax.tree.map(leaf_gamma, leaf_norms, state.gamma, scale),
-            norm=leaf_norms, scale=scale, clipped=jax.tree.map(lambda s: s < 1, scale),
-            nonfinite=state.nonfinite)
+        rule = _Rule(count, count < warmup_steps,
+                     jnp.minimum(1.0, abs_thresh / (global_norm + eps)), lambda_rel, beta, eps)
         # A NaN/Inf anywhere makes the global norm non-finite: no separate pass to find it.
-        return out, stats_lib.commit(jnp.isfinite(global_norm), new_state, state)
+        finite = jnp.isfinite(global_norm)
+        outputs, fields = list(leaves), {name: [None] * len(leaves) for name in _PER_LEAF}
+        for idx, norm in _dtype_groups(leaves, floats, vector):
+            old = {name: norms.gather_scalars([treedef.flatten_up_to(getattr(state, name))[i]
+                                               for i in idx]) for name in _PER_LEAF}
+            scale, gamma = _decide(norm, old["gamma"], rule)
+            new = {"gamma": gamma, "norm": norm, "scale": scale, "clipped": scale < 1}
+            committed = [jnp.where(finite, new[name], old[name]) for name in _PER_LEAF]
+            for i, (factor, *row) in zip(idx, handout.rows((scale, *committed))):
+                outputs[i] = norms.scale(leaves[i], factor)
+                for name, value in zip(_PER_LEAF, row):
+                    fields[name][i] = value
+        return treedef.unflatten(outputs), AdaGCState(
+            count=jnp.where(finite, count + 1, count),
+            nonfinite=stats_lib.count_nonfinite(state.nonfinite, finite),
+            **{name: treedef.unflatten(v) for name, v in fields.items()})
 
     return checks.transformation(init_fn, update_fn)
 
 
-def _norms(updates: Any, axis_name: norms.AxisName) -> tuple[Any, jax.Array]:
-    """Per-leaf L2 norms (a tree, ``None`` at non-floating leaves) and the global norm.
+# The per-leaf state fields, in the order they are handed out.
+_PER_LEAF = ("gamma", "norm", "scale", "clipped")
 
-    One pass over the gradients (:func:`optclip._core.norms.leaf_norms`, combined across
+
+class _Rule(NamedTuple):
+    """What a step's per-tensor decisions depend on besides the norms and ``gamma``."""
+    count: jax.Array
+    warm: jax.Array
+    warm_scale: jax.Array
+    lambda_rel: checks.ScalarOrSchedule
+    beta: float
+    eps: float
+
+
+def _decide(norm: jax.Array, gamma: jax.Array, rule: _Rule) -> tuple[jax.Array, jax.Array]:
+    """The factors and the new ``gamma`` of a group of leaves, as vectors (one entry per leaf,
+    in the group's statistics dtype)."""
+    rel_thresh = checks.resolve(rule.lambda_rel, rule.count, gamma.dtype)
+    local = jnp.minimum(1.0, rel_thresh * gamma / (norm + rule.eps))
+    scale = jnp.where(rule.warm, rule.warm_scale.astype(gamma.dtype), local)
+    clipped_norm = scale * norm
+    warm_gamma = jnp.where(rule.count == 0, clipped_norm, jnp.minimum(gamma, clipped_norm))
+    ema = rule.beta * gamma + (1 - rule.beta) * clipped_norm
+    return scale, jnp.where(rule.warm, warm_gamma, ema)
+
+
+def _norms(leaves: list[jax.Array], updates: Any, axis_name: norms.AxisName
+           ) -> tuple[jax.Array, jax.Array]:
+    """Per-leaf L2 norms of the floating ``leaves`` as one vector (in the tree's statistics
+    dtype) and the global norm.
+
+    One pass over the gradients (:func:`optclip._core.norms.leaf_l2_norms`, combined across
     the devices each leaf's elements are split over). The global norm is combined from the
     leaf norms, scaled by the largest, so it needs no second pass and cannot overflow either.
     """
-    leaves = norms.float_leaves(updates)
-    if not leaves:
-        return jax.tree.map(lambda x: None, updates), jnp.zeros((), norms.stat_dtype(updates))
     dtype = norms.stat_dtype(updates)
-    leaf_norms = [n.astype(dtype) for n in norms.leaf_norms(leaves, 2.0, axis_name)]
-    vector = norms.gather_scalars(leaf_norms)
+    if not leaves:
+        return jnp.zeros((0,), dtype), jnp.zeros((), dtype)
+    vector = norms.leaf_l2_norms(leaves, axis_name, vector=True).astype(dtype)
     peak = jnp.max(vector)
     unit = jnp.where((peak > 0) & jnp.isfinite(peak), peak, jnp.ones_like(peak))
     total = unit * norms.safe_sqrt(jnp.sum(jnp.square(vector / unit)))
-    return _per_leaf_values(updates, leaf_norms), total
+    return vector, total
 
 
-def _per_leaf_values(tree: Any, values: list[jax.Array]) -> Any:
-    """The ``j``-th of ``values`` (in the leaf's statistics dtype) at the ``j``-th floating
-    leaf of ``tree``, ``None`` at the others."""
-    it = iter(values)
-    return jax.tree.map(lambda x: next(it).astype(norms.acc_dtype(x.dtype))
-                        if norms.is_float(x) else None, tree)
+def _dtype_groups(leaves: list[Any], floats: list[int], vector: jax.Array
+                  ) -> list[tuple[list[int], jax.Array]]:
+    """The floating leaves by statistics dtype: per dtype, the leaves' indices and their
+    entries of ``vector`` in that dtype (the dtype of their state)."""
+    groups: dict[Any, list[int]] = {}
+    for i in floats:
+        groups.setdefault(norms.acc_dtype(leaves[i].dtype), []).append(i)
+    if len(groups) == 1:
+        (dtype, idx), = groups.items()
+        return [(idx, vector.astype(dtype))]
+    position = {i: n for n, i in enumerate(floats)}
+    return [(idx, vector[np.array([position[i] for i in idx])].astype(dtype))
+            for dtype, idx in groups.items()]

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optclip._core import checks, norms, trees
@@ -117,7 +118,7 @@ def _passthrough(out: Any, updates: Any) -> Any:
 def _sqrt_nu(v: jax.Array, leaf: jax.Array) -> jax.Array:
     """``sqrt(nu)`` of one leaf in its statistics dtype (a root before any product, so a
     threshold times ``nu`` never overflows where ``nu`` itself is finite)."""
-    return norms.safe_sqrt(v.astype(norms.acc_dtype(leaf.dtype)))
+    return norms.safe_sqrt(_cast(v, norms.acc_dtype(leaf.dtype)))
 
 
 def _bias_correction(b2: Any, count: jax.Array) -> jax.Array:
@@ -131,11 +132,12 @@ Limit = Callable[[jax.Array, jax.Array], jax.Array]
 
 def _clip(g: jax.Array, v: jax.Array, limit: Limit, active: jax.Array) -> jax.Array:
     """``g`` clipped elementwise to ``[-c, c]`` with ``c = limit(g, nu)`` where the scalar
-    ``active`` holds, else ``g`` as it is."""
+    ``active`` holds, else ``g`` as it is. Per-leaf arithmetic here and below is written in
+    ``lax`` operations: the same operations as ``jnp``'s, which trace several times slower."""
     thr = limit(g, v)
-    wide = g.astype(norms.acc_dtype(g.dtype))
-    over = active & (jnp.abs(wide) > thr)
-    return jnp.where(over, jnp.sign(wide) * thr, wide).astype(g.dtype)
+    wide = _cast(g, norms.acc_dtype(g.dtype))
+    over = jax.lax.bitwise_and(active, jax.lax.gt(jax.lax.abs(wide), thr))
+    return _cast(jax.lax.select(over, jax.lax.mul(jax.lax.sign(wide), thr), wide), g.dtype)
 
 
 def _squared_excess(g: jax.Array, v: jax.Array, inv_width: jax.Array, nu_weight: jax.Array,
@@ -145,10 +147,11 @@ def _squared_excess(g: jax.Array, v: jax.Array, inv_width: jax.Array, nu_weight:
     ``f``. No root and no absolute value (the cheap operations of XLA:CPU's fast reduction);
     finite for every finite ``g`` and ``nu`` (a square that overflows is an element far above
     the threshold)."""
-    wide = g.astype(norms.acc_dtype(g.dtype))
-    v = v.astype(wide.dtype)
-    return (jnp.square(wide * inv_width.astype(wide.dtype))
-            - jnp.maximum(v * nu_weight.astype(wide.dtype), floor.astype(wide.dtype)))
+    wide = _cast(g, norms.acc_dtype(g.dtype))
+    dtype = wide.dtype
+    return jax.lax.sub(jax.lax.square(jax.lax.mul(wide, _cast(inv_width, dtype))),
+                       jax.lax.max(jax.lax.mul(_cast(v, dtype), _cast(nu_weight, dtype)),
+                                   _cast(floor, dtype)))
 
 
 def _clip_fraction(updates: Any, nu: Any, excess: Limit, active: jax.Array,
@@ -167,9 +170,10 @@ def _clip_fraction(updates: Any, nu: Any, excess: Limit, active: jax.Array,
     split = norms.split_axes([g for g, _ in pairs], axis_name)
 
     def hits(g, v):
-        wide = g.astype(norms.acc_dtype(g.dtype))
-        return (jnp.sign(jnp.maximum(excess(g, v), 0))
-                + wide * jnp.zeros((), wide.dtype)).astype(jnp.float32)
+        wide = _cast(g, norms.acc_dtype(g.dtype))
+        zero = np.zeros((), wide.dtype)
+        return _cast(jax.lax.add(jax.lax.sign(jax.lax.max(excess(g, v), zero)),
+                                 jax.lax.mul(wide, zero)), jnp.float32)
 
     partials = norms.leaf_reductions([hits(g, v) for g, v in pairs], lambda x: x)
     total = norms.tree_sum(partials, split)
@@ -186,21 +190,31 @@ def _gated_step(inner, finite, updates, inner_state, params, extra_args, prepare
     held branch hands its operands back unchanged and the NaN updates come from a select after
     the cond: XLA then keeps every output in the buffer of the operand it replaces (with donated
     buffers, a branch that builds new arrays makes XLA copy outputs after the cond), and the
-    select fuses into whatever reads the updates next.
+    select fuses into whatever reads the updates next. The held branch takes its output types
+    from the traced update when that was traced first (the wrapped optimizer is traced once).
     """
+    traced = []
+
     def run():
         g, s = (updates, inner_state) if prepare is None else prepare()
-        return inner.update(g, s, params, **extra_args)
+        result = inner.update(g, s, params, **extra_args)
+        traced.append(jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x),
+                                                                  jnp.result_type(x)), result))
+        return result
 
     def hold():
-        shapes = jax.eval_shape(run)
+        shapes = traced[0] if traced else jax.eval_shape(run)
         return (stats_lib.cast_like(shapes[0], updates),
                 stats_lib.cast_like(shapes[1], inner_state))
 
     out, new_inner = stats_lib.run_or_hold(finite, run, hold)
-    out = jax.tree.map(lambda o: jnp.where(finite, o, jnp.asarray(jnp.nan, o.dtype))
-                       if norms.is_float(o) else o, out)
+    out = jax.tree.map(lambda o: _nan_unless(finite, o) if norms.is_float(o) else o, out)
     return _passthrough(out, updates), new_inner
+
+
+def _nan_unless(ok: jax.Array, x: jax.Array) -> jax.Array:
+    """``x`` where the scalar ``ok`` holds, else NaN (one select)."""
+    return jax.lax.select(ok, x, jax.lax.full_like(x, jnp.nan))
 
 
 def _commit(finite: jax.Array, new: Any, old: Any) -> Any:
@@ -314,7 +328,7 @@ def spam_clip(
 
         def limit(g, v):
             s = _sqrt_nu(v, g)
-            return width.astype(s.dtype) * s
+            return jax.lax.mul(_cast(width, s.dtype), s)
 
         def prepare():
             inner_state = state.inner
@@ -407,16 +421,19 @@ def adamw_clip(
 
         def limit(g, v):
             s = _sqrt_nu(v, g)
-            return jnp.maximum(width.astype(s.dtype) * s, jnp.asarray(min_threshold, s.dtype))
+            return jax.lax.max(jax.lax.mul(_cast(width, s.dtype), s),
+                               np.asarray(min_threshold, s.dtype))
 
         def prepare():
             return jax.tree.map(lambda g, v: _clip(g, v, limit, active)
                                 if norms.is_float(g) else g, updates, nu), state.inner
 
+        inv_width = 1 / width
+        floor = jnp.square(jnp.asarray(min_threshold, stat) * inv_width)
+        one = jnp.ones_like(width)
+
         def excess(g, v):
-            inv_width = 1 / width
-            floor = jnp.square(jnp.asarray(min_threshold, stat) * inv_width)
-            return _squared_excess(g, v, inv_width, jnp.ones_like(width), floor)
+            return _squared_excess(g, v, inv_width, one, floor)
 
         fraction, finite = _clip_fraction(updates, nu, excess, active, axis_name)
         out, new_inner = _gated_step(inner, finite, updates, state.inner, params, extra_args,
@@ -522,11 +539,14 @@ def _update_rms(updates: Any, nu: Any, b2: float, correction: jax.Array, eps: fl
     ``g**2`` beyond the dtype's range makes ``nu_new`` infinite and the ratio 0.
     """
     def ratio(g, v):
+        # lax operations, as in _clip. The root of the correction is taken per leaf: one root
+        # shared by every leaf compiled to results differing from these in the last bit.
         wide = norms.acc_dtype(g.dtype)
-        x = g.astype(wide)
-        v_new = b2 * v.astype(wide) + (1 - b2) * jnp.square(x)
-        root = norms.safe_sqrt(v_new) / jnp.sqrt(correction).astype(wide)
-        return x / jnp.maximum(root, jnp.asarray(eps, wide))
+        x = _cast(g, wide)
+        v_new = jax.lax.add(jax.lax.mul(np.asarray(b2, wide), _cast(v, wide)),
+                            jax.lax.mul(np.asarray(1 - b2, wide), jax.lax.square(x)))
+        root = jax.lax.div(norms.safe_sqrt(v_new), _cast(jax.lax.sqrt(correction), wide))
+        return jax.lax.div(x, jax.lax.max(root, np.asarray(eps, wide)))
 
     pairs = [(g, v) for g, v in zip(jax.tree.leaves(updates), jax.tree.leaves(nu))
              if norms.is_float(g)]
@@ -540,3 +560,8 @@ def _update_rms(updates: Any, nu: Any, b2: float, correction: jax.Array, eps: fl
                 for p, axes, size in zip(partials, split, sizes)])
     return jax.tree.map(lambda g: next(rms).astype(norms.acc_dtype(g.dtype))
                         if norms.is_float(g) else None, updates)
+
+
+def _cast(x: jax.Array, dtype) -> jax.Array:
+    """``x`` in ``dtype`` (no operation when it is already)."""
+    return x if x.dtype == dtype else jax.lax.convert_element_type(x, dtype)
