@@ -150,59 +150,32 @@ def clip_value_growth(
         return stats_lib.own_buffers(ClipValueGrowthState(
             zero, prev, ratio, jax.tree.map(lambda r: jnp.zeros((), bool), ratio), zero))
 
+    def leaf_step(x, prev, first, hp):
+        """``(output, new reference, max ratio, clipped, finite)`` of one floating leaf."""
+        finite = stats_lib.leaf_finite(x)
+        if identity:
+            ratio, limited = jnp.ones((), prev.dtype), jnp.zeros((), bool)
+        else:
+            ratio, limited = _value_stats(x, prev, hp, axis_name)
+        out, new_prev = _value_step(x, prev, first, hp, limited | ~finite)
+        ratio = jnp.where(first, 1, ratio).astype(ratio.dtype)
+        return out, new_prev, ratio, limited & ~first, finite
+
     def update_fn(updates, state, params=None):
         del params
         first = state.count == 0
         hp = _limits_at(state.count, add, mul, min_value, max_decay)
-        return _value_update(updates, state, first, hp, identity, _may_overflow(max_decay),
-                             axis_name)
+        outputs, new_prev, max_ratio, clipped, finite = trees.tree_unzip(
+            lambda x, prev: leaf_step(x, prev, first, hp) if norms.is_float(x)
+            else (x, None, None, None, None), updates, state.prev, n=5)
+        ok = stats_lib.all_of(jax.tree.leaves(finite), axis_name)
+        if _may_overflow(max_decay):    # a reference growing by 1 / max_decay per step
+            ok = ok & stats_lib.all_finite(new_prev, axis_name)
+        new = ClipValueGrowthState(optax.safe_increment(state.count), new_prev, max_ratio,
+                                   clipped, state.nonfinite)
+        return outputs, stats_lib.commit(ok, new, state)
 
     return checks.transformation(init_fn, update_fn)
-
-
-def _value_update(updates, state: ClipValueGrowthState, first, hp: _Limits, identity: bool,
-                  may_overflow: bool, axis_name: AxisName):
-    """clip_value_growth's step: ``(outputs, committed state)``.
-
-    Each leaf's statistics (finiteness, peak growth ratio, additive excess) are reduced per
-    leaf (same-shape small leaves in one variadic reduce); the per-leaf decisions and the
-    commit of a finite step are taken on vectors with one entry per leaf (one per statistics
-    dtype), and :func:`optclip._core.handout.rows` hands each leaf its entries.
-    """
-    leaves, fields, treedef = trees.flatten_with(
-        updates, state.prev, state.max_ratio, state.clipped)
-    groups: dict[Any, list[int]] = {}
-    for i, x in enumerate(leaves):
-        if norms.is_float(x):
-            groups.setdefault(jnp.dtype(fields[0][i].dtype), []).append(i)
-    steps = {i: _value_step(leaves[i], fields[0][i], first, hp) for idx in groups.values()
-             for i in idx}
-    # Per group: each leaf's local finiteness (0-d), the peak ratios and limited flags.
-    decided = [_value_decisions([leaves[i] for i in idx], [fields[0][i] for i in idx], hp,
-                                identity, axis_name) for idx in groups.values()]
-    ok = stats_lib.all_of([jnp.all(norms.gather_scalars(f)) for f, _, _ in decided], axis_name)
-    new_prev = trees.unflatten_at(treedef, {i: step[1] for i, step in steps.items()})
-    if may_overflow:    # a reference growing by 1 / max_decay per step
-        ok = ok & stats_lib.all_finite(new_prev, axis_name)
-    old = [[norms.gather_scalars([f[i] for i in idx]) for f in fields[1:]]
-           for idx in groups.values()]
-    new = [[jnp.where(first, 1, ratio).astype(ratio.dtype), limited & ~first]
-           for _, ratio, limited in decided]
-    # The per-leaf statistics as lists of vectors (one per statistics dtype).
-    committed = stats_lib.commit(ok, ClipValueGrowthState(
-        optax.safe_increment(state.count), new_prev, *_columns(new, 2), state.nonfinite),
-        ClipValueGrowthState(state.count, state.prev, *_columns(old, 2), state.nonfinite))
-    outputs, values = list(leaves), [{}, {}]
-    for g, (idx, (finite, _, limited)) in enumerate(zip(groups.values(), decided)):
-        # The flags apart from the committed entries: the outputs need not wait for the
-        # commit (which may test the new references), so XLA need not write out each limited
-        # update for them. A leaf's output reads its own (local) finiteness.
-        for i, (flag,), ok_i in zip(idx, handout.rows((limited,)), finite):
-            outputs[i] = steps[i][0](flag | ~ok_i)
-        for i, row in zip(idx, handout.rows((committed.max_ratio[g], committed.clipped[g]))):
-            values[0][i], values[1][i] = row
-    max_ratio, clipped = (trees.unflatten_at(treedef, v) for v in values)
-    return treedef.unflatten(outputs), committed._replace(max_ratio=max_ratio, clipped=clipped)
 
 
 def _select(which: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -240,59 +213,41 @@ def _value_limit(wide: jax.Array, prev: jax.Array, hp: _Limits):
     return y, size, floor, excess
 
 
-def _value_decisions(xs: list[jax.Array], prevs: list[jax.Array], hp: _Limits,
-                     identity: bool, axis_name: AxisName):
-    """``(per-leaf finiteness flags, max ratios, limited flags)`` of leaves of one statistics
-    dtype: the flags 0-d per leaf (on this device), the rest vectors (one entry per leaf)."""
-    finite = [s == 0 for s in norms.leaf_reductions(xs, lambda x: x * jnp.zeros((), x.dtype))]
-    if identity:
-        return (finite, jnp.ones((len(xs),), prevs[0].dtype), jnp.zeros((len(xs),), bool))
-    return (finite, *_value_stats(xs, prevs, hp, axis_name))
-
-
-def _value_stats(xs: list[jax.Array], prevs: list[jax.Array], hp: _Limits,
-                 axis_name: AxisName):
-    """``(max ratio, limited somewhere)`` of each leaf, as vectors, before anything is
-    written."""
-    def terms(pair):
-        x, prev = jax.lax.optimization_barrier(pair)
-        _, size, floor, excess = _value_limit(x.astype(prev.dtype), prev, hp)
-        ratio = size / floor
-        if hp.min_value is None:   # 0/0 (zero reference and update) has no ratio; torchzero
-            ratio = _select(jnp.isnan(ratio), jnp.zeros_like(ratio), ratio)   # leaves it alone
-        return (jnp.abs(ratio),) if excess is None else (jnp.abs(ratio), excess)
-
-    split = norms.split_axes(xs, axis_name)
-    peaks = norms.leaf_reductions(list(zip(xs, prevs)), terms, "max")
-    top = [norms.gather_scalars([norms.across(p[k], "max", axes) for p, axes in zip(peaks, split)])
-           for k in range(len(peaks[0]))]
-    max_ratio = jnp.maximum(jnp.maximum(top[0], 0.0), _const(_MIN_RATIO, top[0]))
-    limited = jnp.zeros(max_ratio.shape, bool)
+def _value_stats(x: jax.Array, prev: jax.Array, hp: _Limits, axis_name: AxisName):
+    """``(max ratio, limited somewhere)`` of one leaf, before anything is written."""
+    x, prev = jax.lax.optimization_barrier((x, prev))
+    _, size, floor, excess = _value_limit(x.astype(prev.dtype), prev, hp)
+    ratio = size / floor
+    if hp.min_value is None:   # 0/0 (zero reference and update) has no ratio; torchzero
+        ratio = _select(jnp.isnan(ratio), jnp.zeros_like(ratio), ratio)   # leaves it alone
+    max_ratio = jnp.maximum(norms.leaf_norm(ratio, float("inf"), axis_name).astype(
+        ratio.dtype), _const(_MIN_RATIO, ratio))
+    limited = jnp.zeros((), bool)
     if hp.mul is not None:     # ~(m <= mul): also where a NaN was kept in the maximum
         limited = ~(max_ratio <= _const(hp.mul, max_ratio))
     if hp.add is not None:
-        limited = limited | ~(top[1] <= 0)
+        top = norms.across(jnp.max(excess, initial=-jnp.inf), "max",
+                           norms.split_axes([x], axis_name)[0])
+        limited = limited | ~(top <= 0)
     return max_ratio, limited
 
 
-def _value_step(x: jax.Array, prev: jax.Array, first: jax.Array, hp: _Limits):
-    """``(output given the leaf's flag, new reference)`` of one leaf. The flag ``changed``
-    (that the limit changes an element somewhere) makes the output read the leaf's statistics,
+def _value_step(x: jax.Array, prev: jax.Array, first: jax.Array, hp: _Limits,
+                changed: jax.Array):
+    """``(output, new reference)`` of one leaf. ``changed`` (a per-leaf flag that holds
+    wherever the limit changes an element) makes the output read the leaf's statistics,
     so XLA computes them before it writes over the donated updates."""
     wide = x.astype(prev.dtype)
     if hp.add is None and hp.mul is None:   # the identity
-        return (lambda changed: x), wide
+        return x, wide
     y, size, floor, _ = _value_limit(wide, prev, hp)
     new_prev = y
     if hp.max_decay is not None:   # r < 1 / max_decay
         decay = _const(hp.max_decay, y)
         slow = (size * decay < floor) & (decay * _const(_MIN_RATIO, y) < 1)
         new_prev = _select(slow, prev / decay, y)
-
-    def output(changed):
-        return _select(first | ~changed, wide, y).astype(x.dtype)
-
-    return output, _select(first, wide, new_prev)
+    out = _select(first | ~changed, wide, y).astype(x.dtype)
+    return out, _select(first, wide, new_prev)
 
 
 def clip_norm_growth(
