@@ -16,9 +16,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from optclip._core import checks, norms, trees
+from optclip._core import checks, handout, norms, trees
 from optclip._core import stats as stats_lib
 from optclip._core.norms import AxisName, Ord
 
@@ -177,6 +178,18 @@ def clip_value_growth(
     return checks.transformation(init_fn, update_fn)
 
 
+def _select(which: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+    """``jnp.where(which, a, b)`` for arrays of one shape and dtype (``which`` of that shape or
+    a scalar), as one ``lax.select``: the same values, without tracing ``jnp.where`` per leaf."""
+    return jax.lax.select(which, a, b)
+
+
+def _columns(rows: list[list], width: int) -> list[list]:
+    """``rows`` (one list of vectors per statistics dtype) as ``width`` columns (one list per
+    state field), empty columns for no rows."""
+    return [[row[k] for row in rows] for k in range(width)]
+
+
 def _value_limit(wide: jax.Array, prev: jax.Array, hp: _Limits):
     """clip_value_growth, elementwise: ``(limited update, |y| before the multiplicative cap,
     its floor m, additive excess)`` (the excess ``None`` without ``add``).
@@ -189,14 +202,14 @@ def _value_limit(wide: jax.Array, prev: jax.Array, hp: _Limits):
     y, excess = wide, None
     if hp.add is not None:
         excess = jnp.maximum(jnp.abs(wide) - reference, 0) - _const(hp.add, wide)
-        y = jnp.where(excess > 0, wide - excess * jnp.sign(wide), wide)
+        y = _select(excess > 0, wide - excess * jnp.sign(wide), wide)
     floor = (reference if hp.min_value is None
              else jnp.maximum(reference, _const(hp.min_value, y)))
     size = jnp.abs(y)
     if hp.mul is not None:
         m, tiny = _const(hp.mul, y), _const(_MIN_RATIO, y)
-        capped = jnp.where(size >= tiny * floor, jnp.sign(y) * (m * floor), y * (m / tiny))
-        y = jnp.where((size > m * floor) | (m < tiny), capped, y)
+        capped = _select(size >= tiny * floor, jnp.sign(y) * (m * floor), y * (m / tiny))
+        y = _select((size > m * floor) | (m < tiny), capped, y)
     return y, size, floor, excess
 
 
@@ -206,7 +219,7 @@ def _value_stats(x: jax.Array, prev: jax.Array, hp: _Limits, axis_name: AxisName
     _, size, floor, excess = _value_limit(x.astype(prev.dtype), prev, hp)
     ratio = size / floor
     if hp.min_value is None:   # 0/0 (zero reference and update) has no ratio; torchzero
-        ratio = jnp.where(jnp.isnan(ratio), 0, ratio)   # leaves it alone
+        ratio = _select(jnp.isnan(ratio), jnp.zeros_like(ratio), ratio)   # leaves it alone
     max_ratio = jnp.maximum(norms.leaf_norm(ratio, float("inf"), axis_name).astype(
         ratio.dtype), _const(_MIN_RATIO, ratio))
     limited = jnp.zeros((), bool)
@@ -232,9 +245,9 @@ def _value_step(x: jax.Array, prev: jax.Array, first: jax.Array, hp: _Limits,
     if hp.max_decay is not None:   # r < 1 / max_decay
         decay = _const(hp.max_decay, y)
         slow = (size * decay < floor) & (decay * _const(_MIN_RATIO, y) < 1)
-        new_prev = jnp.where(slow, prev / decay, y)
-    out = jnp.where(first | ~changed, wide, y).astype(x.dtype)
-    return out, jnp.where(first, wide, new_prev)
+        new_prev = _select(slow, prev / decay, y)
+    out = _select(first | ~changed, wide, y).astype(x.dtype)
+    return out, _select(first, wide, new_prev)
 
 
 def clip_norm_growth(
@@ -320,27 +333,76 @@ def clip_norm_growth(
                             divisor > 1, state.nonfinite)
             outputs = jax.tree.map(lambda x: norms.scale(x, 1 / divisor), updates)
             return outputs, stats_lib.commit(norms.all_true(ok, axis_name), new, state)
-        leaves, (prevs,), treedef = trees.flatten_with(updates, state.prev_norm)
-        floats = [i for i, x in enumerate(leaves) if norms.is_float(x)]
-        measured = norms.leaf_norms([leaves[i] for i in floats], ord, axis_name)
-        steps = {i: group_step(leaves[i], n, prevs[i], first, hp)
-                 for i, n in zip(floats, measured)}
-        outputs = list(leaves)
-        for i in floats:
-            # A product, not x / d: XLA:CPU fuses it into each pass of the next transform,
-            # where it would write a quotient out first (it never copies a division).
-            outputs[i] = norms.scale(leaves[i], 1 / steps[i][1])
-
-        def per_leaf(k):
-            return trees.unflatten_at(treedef, {i: step[k] for i, step in steps.items()})
-
-        ok = stats_lib.all_of([step[3] for step in steps.values()], axis_name)
-        new = state_cls(optax.safe_increment(state.count), per_leaf(2), per_leaf(0), per_leaf(1),
-                        jax.tree.map(lambda d: d > 1, per_leaf(1)), state.nonfinite)
-        return treedef.unflatten(outputs), stats_lib.commit(ok, new, state)
+        return _leafwise(updates, state, first, hp, ord, axis_name)
 
     return checks.transformation(
         lambda params: _norm_growth_init(params, state_cls, parameterwise, ord), update_fn)
+
+
+def _leafwise(updates, state: ClipNormGrowthState, first, hp: _Limits, ord, axis_name):
+    """clip_norm_growth with ``parameterwise=True``: ``(outputs, committed state)``.
+
+    The norms of the leaves of one statistics dtype form one vector; the divisors, the next
+    references and the commit of a finite step are taken on these vectors, and
+    :func:`optclip._core.handout.rows` hands each leaf its factor and state entries.
+    """
+    leaves, fields, treedef = trees.flatten_with(
+        updates, state.prev_norm, state.norm, state.divisor)
+    groups: dict[Any, list[int]] = {}
+    for i, x in enumerate(leaves):
+        if norms.is_float(x):
+            groups.setdefault(jnp.dtype(fields[0][i].dtype), []).append(i)
+    old, new, flags = [], [], []
+    for idx in groups.values():
+        old.append([norms.gather_scalars([f[i] for i in idx]) for f in fields])
+        n, divisor, reference, finite = _vector_step(
+            [leaves[i] for i in idx], old[-1][0], first, hp, ord, axis_name)
+        new.append([reference, n, divisor])
+        flags += finite
+    ok = stats_lib.all_of(flags, axis_name)
+    # The per-leaf fields as lists of vectors (one per statistics dtype); ``clipped`` is
+    # ``divisor > 1`` in every state that init and update make, so it is read off the divisor.
+    committed = stats_lib.commit(ok, ClipNormGrowthState(
+        optax.safe_increment(state.count), *_columns(new, 3), None, state.nonfinite),
+        ClipNormGrowthState(state.count, *_columns(old, 3), None, state.nonfinite))
+    outputs, values = list(leaves), [{} for _ in fields]
+    for g, (idx, step) in enumerate(zip(groups.values(), new)):
+        # A product, not x / d: XLA:CPU fuses it into each pass of the next transform, where
+        # it would write a quotient out first (it never copies a division).
+        vectors = [field[g] for field in committed[1:4]]
+        for i, row in zip(idx, handout.rows((1 / step[2], *vectors))):
+            if norms.metric_defined(ord, leaves[i].size):   # else the divisor is 1
+                outputs[i] = norms.scale(leaves[i], row[0])
+            for k, value in enumerate(row[1:]):
+                values[k][i] = value
+    prev_norm, norm, divisor = (trees.unflatten_at(treedef, v) for v in values)
+    return treedef.unflatten(outputs), committed._replace(
+        prev_norm=prev_norm, norm=norm, divisor=divisor,
+        clipped=jax.tree.map(lambda d: d > 1, divisor))
+
+
+def _vector_step(xs: list[jax.Array], prev: jax.Array, first, hp: _Limits, ord, axis_name):
+    """:func:`_group_step` of each leaf in ``xs`` (one statistics dtype) on vectors with one
+    entry per leaf: ``(norms, divisors, next references, finiteness flags)``."""
+    measurable = np.array([norms.metric_defined(ord, x.size) for x in xs])
+    if ord == 2.0:
+        n = norms.leaf_l2_norms(xs, axis_name, vector=True)
+    else:
+        n = norms.gather_scalars(norms.leaf_norms(xs, ord, axis_name))
+    n = n.astype(prev.dtype)
+    if measurable.all():
+        divisor, reference = _norm_limit(n, prev, first, hp)
+    else:
+        n = jnp.where(measurable, n, 0)
+        divisor, reference = _norm_limit(n, prev, first, hp)
+        divisor = jnp.where(measurable, divisor, 1)
+        reference = jnp.where(measurable, reference, prev)
+    flags = [jnp.all(jnp.isfinite(n) & jnp.isfinite(reference))]
+    sees = norms.sees_nonfinite(ord)
+    unsure = [x for x, m in zip(xs, measurable) if not (m and sees)]
+    if unsure:    # the norm may miss a NaN
+        flags.append(stats_lib.all_finite(unsure))
+    return n, divisor, reference, flags
 
 
 def _group_step(x, n, prev, first, hp, *, ord):

@@ -401,3 +401,31 @@ def test_empty_leaves_keep_reference_finite(ord, parameterwise):
         out, state = tx.update(tree, state)
     assert int(state.count) == 2 and int(state.nonfinite) == 0
     assert all(np.all(np.isfinite(x)) for x in to_np(out))
+
+
+@pytest.mark.parametrize("factory", [functools.partial(optclip.clip_value_growth, add=0.3),
+                                     optclip.clip_norm_growth])
+def test_leaves_of_two_statistics_dtypes_each_against_their_own_reference(factory):
+    """float32 and float64 leaves (their per-leaf decisions taken on one vector per statistics
+    dtype) give what each leaf gives alone."""
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(3)
+        dtypes = {"a": jnp.float32, "b": jnp.float64, "c": jnp.float32, "d": jnp.float64}
+        seq = [{k: jnp.asarray(rng.normal(size=(3,)) * s * (i + 1), d)
+                for i, (k, d) in enumerate(dtypes.items())} | {"n": jnp.arange(2)}
+               for s in (1.0, 9.0, 0.1, 4.0)]
+        tx = factory()
+        update = jax.jit(tx.update)
+        state = tx.init(seq[0])
+        alone = {k: (tx.init(seq[0][k]), []) for k in dtypes}
+        for g in seq:
+            out, state = update(g, state)
+            for k, (s, outs) in alone.items():
+                o, s = update(g[k], s)
+                alone[k] = (s, outs + [o])
+                np.testing.assert_array_equal(out[k], o)
+                assert out[k].dtype == dtypes[k]
+        for k, (s, _) in alone.items():
+            for field in s._fields[1:-1]:
+                np.testing.assert_array_equal(getattr(state, field)[k], getattr(s, field))
+        np.testing.assert_array_equal(out["n"], seq[-1]["n"])
