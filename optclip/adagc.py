@@ -187,9 +187,7 @@ def _dtype_groups(leaves: list[Any], floats: list[int], vector: jax.Array
                   ) -> list[tuple[list[int], jax.Array]]:
     """The floating leaves by statistics dtype: per dtype, the leaves' indices and their
     entries of ``vector`` in that dtype (the dtype of their state)."""
-    groups: dict[Any, list[int]] = {}
-    for i in floats:
-        groups.setdefault(norms.acc_dtype(leaves[i].dtype), []).append(i)
+    groups = handout.by_dtype({i: norms.acc_dtype(leaves[i].dtype) for i in floats})
     if len(groups) == 1:
         (dtype, idx), = groups.items()
         return [(idx, vector.astype(dtype))]

@@ -292,9 +292,7 @@ def _leafwise(leaves, old, floats, move, state, treedef, rule: _Rule):
     are then handed out by :func:`optclip._core.handout.rows` (one kernel per group of
     leaves).
     """
-    groups: dict[Any, list[int]] = {}
-    for i in floats:
-        groups.setdefault(jnp.dtype(old[i].dtype), []).append(i)
+    groups = handout.by_dtype({i: old[i].dtype for i in floats})
     decided = {dtype: _decide_group(leaves, idx, move, state, treedef, rule)
                for dtype, idx in groups.items()}
     ok = stats_lib.all_of([f for _, _, flags in decided.values() for f in flags],

@@ -348,10 +348,8 @@ def _leafwise(updates, state: ClipNormGrowthState, first, hp: _Limits, ord, axis
     """
     leaves, fields, treedef = trees.flatten_with(
         updates, state.prev_norm, state.norm, state.divisor)
-    groups: dict[Any, list[int]] = {}
-    for i, x in enumerate(leaves):
-        if norms.is_float(x):
-            groups.setdefault(jnp.dtype(fields[0][i].dtype), []).append(i)
+    groups = handout.by_dtype({i: fields[0][i].dtype for i, x in enumerate(leaves)
+                               if norms.is_float(x)})
     old, new, flags = [], [], []
     for idx in groups.values():
         old.append([norms.gather_scalars([f[i] for i in idx]) for f in fields])

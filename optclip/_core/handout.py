@@ -14,12 +14,23 @@ every value comes back bit for bit (signed zeros, NaN payloads, subnormals).
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 # Entries of one vector that one variadic reduce hands out.
 GROUP = 32
+
+
+def by_dtype(dtypes: dict[int, Any]) -> dict[Any, list[int]]:
+    """Leaf indices grouped by the dtype of their per-leaf values (``{index: dtype}``), in
+    order: one vector per group carries the leaves' decisions."""
+    groups: dict[Any, list[int]] = {}
+    for i, dtype in dtypes.items():
+        groups.setdefault(jnp.dtype(dtype), []).append(i)
+    return groups
 
 
 def rows(vectors: tuple[jax.Array, ...] | list[jax.Array]) -> list[tuple[jax.Array, ...]]:
