@@ -1,0 +1,105 @@
+"""Exact structural cost measures read from the optimized HLO of a jitted step (no timing).
+
+``traffic`` counts the parameter-sized buffers a step reads and writes: on a tree with one large
+leaf, every operand or result of an executed kernel (a fusion, a copy, a sort, ...) with at
+least as many elements as that leaf is one pass over memory. On a large model a step is bound
+by memory bandwidth, so its time is close to (passes) x (bytes of one buffer) / bandwidth, and
+a kernel that re-reads the gradients or materialises a temporary shows up as one more pass. Of
+the branches of a ``conditional`` the most expensive one is counted (the run branch of a
+wrapper that can hold a step).
+
+Used by ``tests/test_step_traffic.py`` (the per-transform budget) and by ``make bench`` (the
+traffic column of the benchmark table).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import jax
+import optax
+
+_HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{$")
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*?)\)(?:, (.*))?$")
+_ARRAY = re.compile(r"\b[a-z]+\d*\[([\d,]*)\]")
+_OPERAND = re.compile(r"%([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_CALLS = re.compile(r"(?:calls|to_apply|body)=%?([\w.\-]+)")
+# Opcodes that move no data: they name buffers (or parts of tuples) that already exist.
+_FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "copy-start",
+         "copy-done", "after-all", "partition-id", "replica-id"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    """Parameter-sized buffers read and written by one step (``passes = reads + writes``)."""
+
+    reads: int
+    writes: int
+
+    @property
+    def passes(self) -> int:
+        return self.reads + self.writes
+
+    def __add__(self, other: Traffic) -> Traffic:
+        return Traffic(self.reads + other.reads, self.writes + other.writes)
+
+
+def _large_arrays(shape: str, size: int) -> int:
+    return sum(math.prod(int(d) for d in dims.split(",") if d) >= size
+               for dims in _ARRAY.findall(shape))
+
+
+def _computations(text: str) -> tuple[dict[str, list[str]], str]:
+    bodies: dict[str, list[str]] = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        header = _HEADER.match(line)
+        if header:
+            current = header.group(1)
+            bodies[current] = []
+            entry = current if line.startswith("ENTRY") else entry
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            bodies[current].append(line)
+    return bodies, entry
+
+
+def _traffic_of(name: str, bodies: dict[str, list[str]], size: int) -> Traffic:
+    shapes: dict[str, str] = {}
+    total = Traffic(0, 0)
+    for line in bodies[name]:
+        match = _INSTRUCTION.match(line)
+        if not match:
+            continue
+        result, shape, opcode, operands, attributes = match.groups()
+        shapes[result] = shape
+        attributes = attributes or ""
+        if opcode in _FREE:
+            continue
+        if opcode == "conditional":
+            branches = _OPERAND.findall(_BRANCHES.search(attributes).group(1))
+            total += max((_traffic_of(b, bodies, size) for b in branches),
+                         key=lambda t: t.passes)
+        elif opcode in ("call", "while"):
+            total += _traffic_of(_CALLS.search(attributes).group(1), bodies, size)
+        else:
+            reads = sum(_large_arrays(shapes.get(o, ""), size)
+                        for o in dict.fromkeys(_OPERAND.findall(operands)))
+            total += Traffic(reads, _large_arrays(shape, size))
+    return total
+
+
+def traffic(tx: optax.GradientTransformation, tree) -> Traffic:
+    """Parameter-sized reads and writes of ``jit(tx.update)`` (gradients and state donated, the
+    tree also passed as the parameters) on ``tree``, which has one leaf much larger than the
+    others; buffers at least as large as that leaf count."""
+    size = max(x.size for x in jax.tree.leaves(tree))
+    state = jax.eval_shape(tx.init, tree)
+    text = jax.jit(tx.update, donate_argnums=(0, 1)).lower(tree, state, tree).compile().as_text()
+    bodies, entry = _computations(text)
+    return _traffic_of(entry, bodies, size)
