@@ -5,8 +5,10 @@ leaf, every operand or result of an executed kernel (a fusion, a copy, a sort, .
 least as many elements as that leaf is one pass over memory. On a large model a step is bound
 by memory bandwidth, so its time is close to (passes) x (bytes of one buffer) / bandwidth, and
 a kernel that re-reads the gradients or materialises a temporary shows up as one more pass. Of
-the branches of a ``conditional`` the most expensive one is counted (the run branch of a
-wrapper that can hold a step).
+the branches of a ``conditional`` the most expensive one is counted: the run branch of a
+wrapper that can hold a step, but also the rare fallback of a scale-safe norm (a second read
+of a leaf, taken only when its plain sum of squares overflows or underflows), so the count is
+an upper bound on what a typical step moves.
 
 Used by ``tests/test_step_traffic.py`` (the per-transform budget) and by ``make bench`` (the
 traffic column of the benchmark table).
