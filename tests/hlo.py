@@ -5,10 +5,10 @@ leaf, every operand or result of an executed kernel (a fusion, a copy, a sort, .
 least as many elements as that leaf is one pass over memory. On a large model a step is bound
 by memory bandwidth, so its time is close to (passes) x (bytes of one buffer) / bandwidth, and
 a kernel that re-reads the gradients or materialises a temporary shows up as one more pass. Of
-the branches of a ``conditional`` the most expensive one is counted: the run branch of a
-wrapper that can hold a step, but also the rare fallback of a scale-safe norm (a second read
-of a leaf, taken only when its plain sum of squares overflows or underflows), so the count is
-an upper bound on what a typical step moves.
+the branches of a ``conditional`` the one that writes the most parameter-sized buffers counts
+(the run branch of a wrapper that can hold a step); between branches that write as many, the
+cheaper one (a scale-safe norm recomputes a leaf's sum of squares with a rescaling in a branch
+that only reads, taken only when the plain sum overflows or underflows).
 
 Used by ``tests/test_step_traffic.py`` (the per-transform budget) and by ``make bench`` (the
 traffic column of the benchmark table).
@@ -86,7 +86,7 @@ def _traffic_of(name: str, bodies: dict[str, list[str]], size: int) -> Traffic:
         if opcode == "conditional":
             branches = _OPERAND.findall(_BRANCHES.search(attributes).group(1))
             total += max((_traffic_of(b, bodies, size) for b in branches),
-                         key=lambda t: t.passes)
+                         key=lambda t: (t.writes, -t.reads))
         elif opcode in ("call", "while"):
             total += _traffic_of(_CALLS.search(attributes).group(1), bodies, size)
         else:
