@@ -639,7 +639,7 @@ def _whole_leaf_factors(leaves: list[jax.Array], ord: float | str,
     on it, and :func:`optclip._core.handout.rows` hands each leaf its pair: a fixed number of
     kernels per group of leaves instead of a factor computation per leaf.
     """
-    if len({norms.acc_dtype(x.dtype) for x in leaves}) != 1:
+    if not norms.one_wide_dtype(leaves):
         each = norms.leaf_norms(leaves, ord, axis_name)
         return [(multiplier(n), n) for n in each]
     if ord == 2.0:
