@@ -82,8 +82,9 @@ CASES: dict[str, Case] = {
     "sign": Case("optclip.sign()", 0, "elementwise"),
     "l1_normalize": Case("optclip.l1_normalize()", 1, "per-row norm"),
     "l2_normalize": Case("optclip.l2_normalize()", 1, "per-row norm"),
-    "top_q": Case("optclip.top_q(q=0.3)", 1, "per-row sort (compute-bound)"),
-    "l1q_normalize": Case("optclip.l1q_normalize(q=0.3)", 1, "per-row sort (compute-bound)"),
+    "top_q": Case("optclip.top_q(q=0.3)", 1, "per-row bisection on the bits of |g| (31 rounds)"),
+    "l1q_normalize": Case("optclip.l1q_normalize(q=0.3)", 1,
+                          "per-row bisection on the bits of |g| (31 rounds)"),
     "clamp": Case("optclip.clamp(-1.0, 1.0)", 0, "elementwise"),
     "project_l2_ball": Case("optclip.project_l2_ball(epsilon=1.0)", 4,
                             "reads params twice and u again (per-row norm of params + u)"),
@@ -96,7 +97,7 @@ CASES: dict[str, Case] = {
                            "per-row norm; reads params"),
     "linf_frank_wolfe": Case("optclip.linf_frank_wolfe(epsilon=1.0)", 1, "reads params"),
     "l1q_frank_wolfe": Case("optclip.l1q_frank_wolfe(q=0.3, epsilon=1.0)", 2,
-                            "per-row sort; reads params"),
+                            "per-row bisection; reads params"),
     "adaptive_grad_clip": Case("optclip.adaptive_grad_clip(0.01)", 2,
                                "per-unit norms of g and params"),
     "adagc": Case("optclip.adagc()", 1, "per-leaf norms"),
@@ -283,7 +284,7 @@ def measure_transform(name: str, case: Case, args, params, grads, adam: Stepper)
     if not args.skip_step:
         chain = Stepper(optimizer(case), params, grads)
         if chain.first_s > args.slow_step:
-            # Far from the targets (sorting on a CPU): one warm step against adam's median.
+            # Far from the targets (top-q ranking on a CPU): one warm step against adam's median.
             medians = {"adam": statistics.median(adam.run(args.steps)), "chain": chain.first_s}
             row["step_note"] = "one warm step (slow)"
         else:

@@ -44,7 +44,7 @@ BUDGET = {
     "clamp": 1,
     "sign": 0,
     # One reduction over g (a per-leaf, per-row or global statistic, finiteness from it).
-    "clip_norm": 2,                 # the registry's dim=1: per row, a maximum and a scaled sum
+    "clip_norm": 1,
     "clip_by_global_norm": 1,
     "normalize": 5,
     "centralize": 1,
@@ -64,10 +64,12 @@ BUDGET = {
     "normalize_by_ema": 8,
     "clip_value_by_ema": 13,
     "clip_value_growth": 25,
-    # Per-row ranking (a sort of |g| per row).
-    "top_q": 20,
-    "l1q_normalize": 23,
-    "l1q_frank_wolfe": 23,
+    # Per-row ranking: a bisection on the bits of |g| (31 rounds, each reads the bits and
+    # writes and reads the comparison: XLA:CPU does not fuse a comparison into a reduction),
+    # and the second bisection, on the index, that only rows with too many ties need.
+    "top_q": 146,
+    "l1q_normalize": 149,
+    "l1q_frank_wolfe": 149,
     # Reading the parameters (floor 1, and 1 per statistic).
     "project_l2_ball": 13,
     "project_linf_ball": 4,

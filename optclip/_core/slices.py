@@ -688,14 +688,15 @@ def scale_slices(
         # One-element slices (no reduced axes) are never split across devices.
         return norms.split_axes([x], axis_name)[0] if axes else ()
 
-    def one_leaf(x, axes, whole):
+    def one_leaf(x, axes, whole, norm):
         if not norms.is_float(x):
             return x, None
         if axes is None:
             return x, jnp.zeros((), norms.acc_dtype(x.dtype))
         if whole is not None:  # (factor, norm) of a whole-leaf slice
             return norms.scale(x, whole[0]), whole[1]
-        norm = norms.slice_norm(x, ord, axes, leaf_split(x, axes))
+        if norm is None:
+            norm = norms.slice_norm(x, ord, axes, leaf_split(x, axes))
         return norms.scale(x, multiplier(norm)), jnp.squeeze(norm, axis=axes)
 
     leaves, treedef = jax.tree.flatten(tree)
@@ -708,5 +709,12 @@ def scale_slices(
              if axes and axes == tuple(range(x.ndim))]
     measured = dict(zip(whole, _whole_leaf_factors([leaves[i] for i in whole], ord, multiplier,
                                                    axis_name)))
-    results = [one_leaf(x, axes, measured.get(i)) for i, (x, axes) in enumerate(zip(leaves, plan))]
+    # L2 norms of partial slices (rows, columns) together too: each leaf read once, the scaled
+    # sums only on a step where some plain sum overflowed (one test for all of them).
+    partial = [i for i, (x, axes) in enumerate(zip(leaves, plan))
+               if ord == 2.0 and axes and i not in measured]
+    sliced = dict(zip(partial, norms.slice_l2_norms(
+        [(leaves[i], plan[i], leaf_split(leaves[i], plan[i])) for i in partial])))
+    results = [one_leaf(x, axes, measured.get(i), sliced.get(i))
+               for i, (x, axes) in enumerate(zip(leaves, plan))]
     return tuple(treedef.unflatten([r[i] for r in results]) for i in range(2))
