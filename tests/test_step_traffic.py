@@ -76,8 +76,8 @@ BUDGET = {
     "adaptive_grad_clip": 10,
     # Wrappers of adam.
     "skip_spikes": 4,
-    "spam_clip": 8,
-    "adamw_clip": 8,
+    "spam_clip": 5,
+    "adamw_clip": 5,
     "stable_adamw_clip": 4,
 }
 
