@@ -79,10 +79,12 @@ BUDGET = {
     "l2_frank_wolfe": 4,
     "linf_frank_wolfe": 5,
     "adaptive_grad_clip": 10,
-    # Wrappers of adam (a global norm; the moment clippers read g and nu for their statistic).
+    # Wrappers of adam (a global norm; the moment clippers read g and nu for their statistic;
+    # the NaN updates of a held step: a select after the gate, or, for the elementwise clips,
+    # written with the clipped gradients ahead of the adam).
     "skip_spikes": 3,
-    "spam_clip": 8,
-    "adamw_clip": 8,
+    "spam_clip": 5,
+    "adamw_clip": 5,
     "stable_adamw_clip": 4,
 }
 
