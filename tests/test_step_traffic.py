@@ -60,7 +60,7 @@ BUDGET = {
     "clip_norm_by_ema": 22,
     "normalize_by_ema": 10,
     "clip_value_by_ema": 13,
-    "clip_value_growth": 25,
+    "clip_value_growth": 13,
     # Per-row ranking (a sort of |g| per row).
     "top_q": 20,
     "l1q_normalize": 23,
