@@ -216,9 +216,9 @@ def _value_limit(wide: jax.Array, prev: jax.Array, hp: _Limits):
 def _value_stats(x: jax.Array, prev: jax.Array, hp: _Limits, axis_name: AxisName):
     """``(finite, max ratio, limited somewhere)`` of one leaf, before anything is written.
 
-    Two reductions, each one pass over the leaf's update and reference: the largest growth
-    ratio, and a sum that is NaN exactly when an update is not finite and otherwise counts
-    the elements the additive cap limits (``sum(x * 0)`` alone without ``add``).
+    Two reductions, each reading the leaf's update and reference at most once: the largest
+    growth ratio, and a sum that is NaN exactly when an update is not finite and otherwise
+    counts the elements the additive cap limits (``sum(x * 0)`` of the update without ``add``).
     """
     max_ratio = _max_ratio(x, prev, hp, axis_name)
     limited = jnp.zeros((), bool)
