@@ -63,7 +63,7 @@ BUDGET = {
     "clip_norm_by_ema": 22,
     "normalize_by_ema": 8,
     "clip_value_by_ema": 13,
-    "clip_value_growth": 25,
+    "clip_value_growth": 13,
     # Per-row ranking: a bisection on the bits of |g| (31 rounds, each reads the bits and
     # writes and reads the comparison: XLA:CPU does not fuse a comparison into a reduction),
     # and the second bisection, on the index, that only rows with too many ties need.
