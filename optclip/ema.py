@@ -543,17 +543,21 @@ def clip_value_by_ema(
         leaves, (old,), treedef = trees.flatten_with(updates, state.ema)
         floats = [i for i, x in enumerate(leaves) if norms.is_float(x)]
         xs = [leaves[i] for i in floats]
-        # The step's statistics first: a non-finite step leaves the EMA as it was.
-        ok = stats_lib.all_finite(xs, axis_name)
+        # The step's statistics first: a non-finite step leaves the EMA as it was. The peaks
+        # (finite wherever the updates are) are tested with them: the output then depends on
+        # every reduction over the updates, so XLA takes them all before it writes the output
+        # and needs no copy of the donated updates.
+        peaks = _peaks(xs, axis_name)
+        ok = stats_lib.all_finite(xs + peaks, axis_name)
         ema = trees.unflatten_at(treedef, {i: jax.lax.select(ok, _moved(
-            jnp.abs(leaves[i]), old[i], keep(old[i].dtype), beta, ema_init), old[i])
+            _magnitude(leaves[i]), old[i], keep(old[i].dtype), beta, ema_init), old[i])
             for i in floats})
         bound, transform_state = transform.update(ema, state.ema_transform_state, params)
         (bounds,) = trees.flatten_with(updates, bound)[1]
         outputs, clipped = _clamped(xs, [bounds[i] for i in floats], axis_name)
         new = ClipValueByEMAState(
             optax.safe_increment(state.count), ema, transform_state,
-            trees.unflatten_at(treedef, dict(zip(floats, _peaks(xs, axis_name)))),
+            trees.unflatten_at(treedef, dict(zip(floats, peaks))),
             trees.unflatten_at(treedef, dict(zip(floats, clipped))), state.nonfinite)
         # The EMA was committed above (the bound reads it): not a second select over it.
         outputs = dict(zip(floats, outputs))
@@ -561,6 +565,19 @@ def clip_value_by_ema(
                 stats_lib.commit(ok, new, state)._replace(ema=ema))
 
     return checks.transformation(init_fn, update_fn)
+
+
+def _magnitude(x: jax.Array) -> jax.Array:
+    """``|x|`` (bit for bit, NaN included) by clearing the sign bit.
+
+    Each reduction over the updates (the largest ``|x|``, the clamp test) and the EMA's move
+    take ``|x|`` in a different form: XLA merges equal expressions, and XLA:CPU's fast reduction
+    kernel takes in only the operations that no other kernel reads, so one shared ``|x|`` would
+    be written out as an array and read back by each of them.
+    """
+    bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+    sign = np.array(1 << (8 * x.dtype.itemsize - 1), bits.dtype)
+    return jax.lax.bitcast_convert_type(bits & ~sign, x.dtype)
 
 
 def _peaks(xs: list[jax.Array], axis_name: AxisName) -> list[jax.Array]:
@@ -584,7 +601,8 @@ def _clamped(xs: list[jax.Array], bounds: list[jax.Array], axis_name: AxisName
     ``|x| > B``.
     """
     wide = [x.astype(b.dtype) for x, b in zip(xs, bounds)]
-    excess = norms.leaf_reductions([jnp.abs(w) - b for w, b in zip(wide, bounds)],
+    # |x| as |-x| here (the same values): see _magnitude.
+    excess = norms.leaf_reductions([jnp.abs(-w) - b for w, b in zip(wide, bounds)],
                                    lambda v: v, "max")
     outputs, clipped = [], []
     for x, w, b, e in zip(xs, wide, bounds, excess):

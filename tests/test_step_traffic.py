@@ -59,7 +59,7 @@ BUDGET = {
     # Per-element state (an EMA, the previous update): floor 2 (one read, one write) + stats.
     "clip_norm_by_ema": 22,
     "normalize_by_ema": 10,
-    "clip_value_by_ema": 13,
+    "clip_value_by_ema": 11,
     "clip_value_growth": 25,
     # Per-row ranking (a sort of |g| per row).
     "top_q": 20,
