@@ -13,6 +13,7 @@ continues as if the bad one had never happened; ``nonfinite`` counts such steps.
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 from typing import Any, NamedTuple
 
@@ -324,21 +325,8 @@ def _decide_group(leaves, idx, move, state, treedef, rule: _Rule):
     measurable = np.array([norms.metric_defined(rule.ord, x.size * norms.axes_size(axes))
                            for x, axes in zip(xs, split)])
 
-    def rebuild():
-        return xs + [move(i, fresh=True) for i in idx]
-
-    # Where no leaf can be read a second time (under the scalar cond of an overflowed sum of
-    # squares, for large leaves or several devices), the moved EMAs are traced once and shared
-    # with the commit; otherwise that branch recomputes them (``rebuild``) instead of keeping
-    # them.
-    once = jax.device_count() == 1 and all(x.size <= norms.PAIR_MAX_ELEMENTS for x in xs)
-    arrays = xs + [move(i) for i in idx] if once else rebuild
-    if rule.ord == 2.0:
-        both = norms.leaf_l2_norms(arrays, rule.axis_name, vector=True)
-    else:
-        both = norms.gather_scalars(norms.leaf_norms(arrays, rule.ord, rule.axis_name))
-    n = len(idx)
-    a, b = both[:n].astype(dtype), both[n:].astype(dtype)
+    a, b = _leaf_metrics(xs, [move(i) for i in idx], rule)
+    a, b = a.astype(dtype), b.astype(dtype)
     if not measurable.all():
         a, b = jnp.where(measurable, a, 0), jnp.where(measurable, b, 0)
     step = _decide(a, b, _gathered(state, "ema_norm", treedef, idx), rule.first, rule.growth,
@@ -350,6 +338,98 @@ def _decide_group(leaves, idx, move, state, treedef, rule: _Rule):
     flags = [stats_lib.leaf_finite(x) for x, m in zip(xs, measurable) if not (m and sees)]
     flags.append(jnp.all(jnp.isfinite(a) & jnp.isfinite(b)))
     return a, step, flags
+
+
+def _leaf_metrics(xs: list[jax.Array], ms: list[jax.Array], rule: _Rule
+                  ) -> tuple[jax.Array, jax.Array]:
+    """The metric (``norms.leaf_norm``) of each update ``xs`` and of each moved EMA ``ms``, as
+    two vectors."""
+    if rule.ord == 2.0:
+        both = _leaf_l2_norms(xs, ms, rule.axis_name)
+    elif rule.ord == "std":
+        both = _leaf_stds(xs, rule.axis_name) + _leaf_stds(ms, rule.axis_name)
+    else:
+        both = norms.leaf_norms(xs + ms, rule.ord, rule.axis_name)
+    both = norms.gather_scalars(both)
+    return both[:len(xs)], both[len(xs):]
+
+
+def _leaf_l2_norms(xs: list[jax.Array], ms: list[jax.Array], axis_name: AxisName
+                   ) -> list[jax.Array]:
+    """``norms.leaf_l2_norms(xs + ms)``, the same values from fewer passes.
+
+    Leaves that are reduced alone whatever their neighbours (larger than the same-shape groups
+    of ``norms.leaf_reductions``) are measured by one call for the updates and one for the
+    EMAs: each call has its own branch for an overflowed sum of squares, and two branches share
+    no constant (inside one, XLA would write a constant out as an array the size of a leaf for
+    the reductions of both to read). The other leaves stay in one call, reduced in the same
+    groups as before.
+    """
+    n = len(xs)
+    alone = [j for j in range(n) if xs[j].size > norms._GROUP_MAX_ELEMENTS]
+    grouped = [j for j in range(n) if xs[j].size <= norms._GROUP_MAX_ELEMENTS]
+    out: list[Any] = [None] * (2 * n)
+    for where, arrays in ((grouped + [n + j for j in grouped],
+                           [xs[j] for j in grouped] + [ms[j] for j in grouped]),
+                          (alone, [xs[j] for j in alone]),
+                          ([n + j for j in alone], [ms[j] for j in alone])):
+        for k, value in zip(where, norms.leaf_l2_norms(arrays, axis_name) if arrays else []):
+            out[k] = value
+    return out
+
+
+def _leaf_stds(arrays: list[jax.Array], axis_name: AxisName) -> list[jax.Array]:
+    """``norms.leaf_norm(x, 'std')`` of each array, the same values from fewer passes.
+
+    Small arrays as there. For the others (one plain reduction each), the centred array
+    ``x - mean`` is rebuilt by each reader instead of being written out for all of them: the
+    plain sum of squares here, the scaled one (:data:`optclip._core.norms.SCALE_SHIFT`) only
+    on a step where some plain sum overflowed, under one scalar branch for all arrays.
+    """
+    split = norms.split_axes(arrays, axis_name)
+    small = [x.size <= norms.PAIR_MAX_ELEMENTS and jax.device_count() == 1 for x in arrays]
+    large = [(x.astype(norms.acc_dtype(x.dtype)), axes)
+             for x, axes, s in zip(arrays, split, small) if not s]
+    means = [_mean(w, axes) for w, axes in large]
+    plain = [_sum_of(jax.lax.mul(w - m, w - m), axes) for (w, axes), m in zip(large, means)]
+
+    def scaled():   # w - m traced again here: not kept from the plain sums
+        return [_sum_of(_scaled_square(w - m), axes) for (w, axes), m in zip(large, means)]
+
+    overflow = (jnp.any(jnp.isinf(norms.gather_scalars([p.reshape(()) for p in plain])))
+                if plain else False)
+    scaled_sums = jax.lax.cond(overflow, scaled, lambda: [jnp.zeros_like(p) for p in plain])
+    roots = iter(_root(p, q, w.dtype, w.size * norms.axes_size(axes))
+                 for p, q, (w, axes) in zip(plain, scaled_sums, large))
+    return [norms.leaf_norm(x, "std", axis_name) if s else next(roots)
+            for x, s in zip(arrays, small)]
+
+
+def _mean(w: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """Mean of the whole (wide) array ``w``, split over the mesh axes ``axes``, keepdims."""
+    return _sum_of(w, axes) / (w.size * norms.axes_size(axes))
+
+
+def _sum_of(v: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """Sum of ``v`` over all its axes (one reduction), keepdims, summed across ``axes``."""
+    dims = tuple(range(v.ndim))
+    total = jax.lax.reduce(v, jnp.zeros((), v.dtype), jax.lax.add, dims)
+    return norms.across(jnp.expand_dims(total, dims), "sum", axes)
+
+
+def _scaled_square(c: jax.Array) -> jax.Array:
+    """``(c 2**-k)²`` as ``optclip._core.norms`` accumulates it (``k``: ``SCALE_SHIFT``)."""
+    down = jnp.maximum(jnp.abs(c) * jnp.asarray(2.0 ** -norms.SCALE_SHIFT[c.dtype], c.dtype), 0)
+    return jax.lax.mul(down, down)
+
+
+def _root(plain: jax.Array, scaled: jax.Array, dtype, k: int) -> jax.Array:
+    """The ``'std'`` metric from the sums of squares of a centred array of ``k`` elements (over
+    all devices); NaN for fewer than two."""
+    if k < 2:
+        return jnp.full((), jnp.nan, dtype)
+    return (norms.root_of_squares(plain, scaled, norms.SCALE_SHIFT[jnp.dtype(dtype)])
+            / math.sqrt(k - 1)).reshape(())
 
 
 def _group_size(group: Any, axis_name: AxisName) -> int:

@@ -57,7 +57,7 @@ BUDGET = {
     "l1_normalize": 3,
     "l2_normalize": 3,
     # Per-element state (an EMA, the previous update): floor 2 (one read, one write) + stats.
-    "clip_norm_by_ema": 22,
+    "clip_norm_by_ema": 12,
     "normalize_by_ema": 10,
     "clip_value_by_ema": 11,
     "clip_value_growth": 25,
