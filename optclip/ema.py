@@ -220,14 +220,11 @@ def _norm_by_ema(divisor_rule, state_cls, beta, ord, eps, tensorwise, max_ema_gr
                 for dtype in {jnp.dtype(old[i].dtype) for i in floats}}
         moved: dict[int, jax.Array] = {}
 
-        def move(i, fresh=False):
-            """Leaf ``i``'s moved EMA, traced once (``fresh``: traced again, for a branch
-            that recomputes it instead of keeping it)."""
-            if fresh or i not in moved:
-                value = _moved(leaves[i], old[i], keep[jnp.dtype(old[i].dtype)], beta, ema_init)
-                if fresh:
-                    return value
-                moved[i] = value
+        def move(i):
+            """Leaf ``i``'s moved EMA, traced once (measured, then committed)."""
+            if i not in moved:
+                moved[i] = _moved(leaves[i], old[i], keep[jnp.dtype(old[i].dtype)], beta,
+                                  ema_init)
             return moved[i]
 
         rule = _Rule(first, growth, divisor_rule, ord, eps, axis_name)
@@ -345,8 +342,8 @@ def _leaf_metrics(xs: list[jax.Array], ms: list[jax.Array], rule: _Rule
     """The metric (``norms.leaf_norm``) of each update ``xs`` and of each moved EMA ``ms``, as
     two vectors."""
     if rule.ord == 2.0:
-        both = _leaf_l2_norms(xs, ms, rule.axis_name)
-    elif rule.ord == "std":
+        return _leaf_l2_norms(xs, ms, rule.axis_name)
+    if rule.ord == "std":
         both = _leaf_stds(xs, rule.axis_name) + _leaf_stds(ms, rule.axis_name)
     else:
         both = norms.leaf_norms(xs + ms, rule.ord, rule.axis_name)
@@ -355,8 +352,9 @@ def _leaf_metrics(xs: list[jax.Array], ms: list[jax.Array], rule: _Rule
 
 
 def _leaf_l2_norms(xs: list[jax.Array], ms: list[jax.Array], axis_name: AxisName
-                   ) -> list[jax.Array]:
-    """``norms.leaf_l2_norms(xs + ms)``, the same values from fewer passes.
+                   ) -> tuple[jax.Array, jax.Array]:
+    """``norms.leaf_l2_norms(xs + ms, vector=True)`` as two vectors, the same values from
+    fewer passes.
 
     Leaves that are reduced alone whatever their neighbours (larger than the same-shape groups
     of ``norms.leaf_reductions``) are measured by one call for the updates and one for the
@@ -365,17 +363,20 @@ def _leaf_l2_norms(xs: list[jax.Array], ms: list[jax.Array], axis_name: AxisName
     the reductions of both to read). The other leaves stay in one call, reduced in the same
     groups as before.
     """
-    n = len(xs)
-    alone = [j for j in range(n) if xs[j].size > norms._GROUP_MAX_ELEMENTS]
-    grouped = [j for j in range(n) if xs[j].size <= norms._GROUP_MAX_ELEMENTS]
-    out: list[Any] = [None] * (2 * n)
-    for where, arrays in ((grouped + [n + j for j in grouped],
-                           [xs[j] for j in grouped] + [ms[j] for j in grouped]),
-                          (alone, [xs[j] for j in alone]),
-                          ([n + j for j in alone], [ms[j] for j in alone])):
-        for k, value in zip(where, norms.leaf_l2_norms(arrays, axis_name) if arrays else []):
-            out[k] = value
-    return out
+    alone = [j for j, x in enumerate(xs) if x.size > norms._GROUP_MAX_ELEMENTS]
+    grouped = [j for j, x in enumerate(xs) if x.size <= norms._GROUP_MAX_ELEMENTS]
+    parts = []
+    if grouped:
+        both = norms.leaf_l2_norms([xs[j] for j in grouped] + [ms[j] for j in grouped],
+                                   axis_name, vector=True)
+        parts.append((both[:len(grouped)], both[len(grouped):]))
+    if alone:
+        parts.append(tuple(norms.leaf_l2_norms([v[j] for j in alone], axis_name, vector=True)
+                           for v in (xs, ms)))
+    if len(parts) == 1:
+        return parts[0]
+    order = np.argsort(grouped + alone)
+    return tuple(jnp.concatenate([p[k] for p in parts])[order] for k in range(2))
 
 
 def _leaf_stds(arrays: list[jax.Array], axis_name: AxisName) -> list[jax.Array]:
@@ -390,14 +391,15 @@ def _leaf_stds(arrays: list[jax.Array], axis_name: AxisName) -> list[jax.Array]:
     small = [x.size <= norms.PAIR_MAX_ELEMENTS and jax.device_count() == 1 for x in arrays]
     large = [(x.astype(norms.acc_dtype(x.dtype)), axes)
              for x, axes, s in zip(arrays, split, small) if not s]
+    if not large:
+        return [norms.leaf_norm(x, "std", axis_name) for x in arrays]
     means = [_mean(w, axes) for w, axes in large]
     plain = [_sum_of(jax.lax.mul(w - m, w - m), axes) for (w, axes), m in zip(large, means)]
 
     def scaled():   # w - m traced again here: not kept from the plain sums
         return [_sum_of(_scaled_square(w - m), axes) for (w, axes), m in zip(large, means)]
 
-    overflow = (jnp.any(jnp.isinf(norms.gather_scalars([p.reshape(()) for p in plain])))
-                if plain else False)
+    overflow = jnp.any(jnp.isinf(norms.gather_scalars([p.reshape(()) for p in plain])))
     scaled_sums = jax.lax.cond(overflow, scaled, lambda: [jnp.zeros_like(p) for p in plain])
     roots = iter(_root(p, q, w.dtype, w.size * norms.axes_size(axes))
                  for p, q, (w, axes) in zip(plain, scaled_sums, large))
@@ -418,7 +420,8 @@ def _sum_of(v: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 
 
 def _scaled_square(c: jax.Array) -> jax.Array:
-    """``(c 2**-k)²`` as ``optclip._core.norms`` accumulates it (``k``: ``SCALE_SHIFT``)."""
+    """``(c 2**-k)²`` as ``optclip._core.norms`` accumulates it (``k``: ``SCALE_SHIFT``),
+    through the same maximum with 0 (which keeps XLA from rewriting the square)."""
     down = jnp.maximum(jnp.abs(c) * jnp.asarray(2.0 ** -norms.SCALE_SHIFT[c.dtype], c.dtype), 0)
     return jax.lax.mul(down, down)
 
@@ -623,12 +626,12 @@ def clip_value_by_ema(
         leaves, (old,), treedef = trees.flatten_with(updates, state.ema)
         floats = [i for i, x in enumerate(leaves) if norms.is_float(x)]
         xs = [leaves[i] for i in floats]
-        # The step's statistics first: a non-finite step leaves the EMA as it was. The peaks
-        # (finite wherever the updates are) are tested with them: the output then depends on
-        # every reduction over the updates, so XLA takes them all before it writes the output
-        # and needs no copy of the donated updates.
-        peaks = _peaks(xs, axis_name)
-        ok = stats_lib.all_finite(xs + peaks, axis_name)
+        # The step's statistics first: a non-finite step leaves the EMA as it was. The
+        # reductions of the peaks (finite wherever the updates are) are tested with them: the
+        # output then depends on every reduction over the updates, so XLA takes them all
+        # before it writes the output and needs no copy of the donated updates.
+        local, peaks = _peaks(xs, axis_name)
+        ok = stats_lib.all_finite(xs + [p for p, x in zip(local, xs) if x.size], axis_name)
         ema = trees.unflatten_at(treedef, {i: jax.lax.select(ok, _moved(
             _magnitude(leaves[i]), old[i], keep(old[i].dtype), beta, ema_init), old[i])
             for i in floats})
@@ -660,13 +663,15 @@ def _magnitude(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits & ~sign, x.dtype)
 
 
-def _peaks(xs: list[jax.Array], axis_name: AxisName) -> list[jax.Array]:
-    """Largest ``|x|`` of each leaf (``norms.leaf_norm(x, inf)``), same-shape leaves reduced
-    together (:func:`optclip._core.norms.leaf_reductions`)."""
+def _peaks(xs: list[jax.Array], axis_name: AxisName
+           ) -> tuple[list[jax.Array], list[jax.Array]]:
+    """Largest ``|x|`` of each leaf: this device's reductions (same-shape leaves reduced
+    together, :func:`optclip._core.norms.leaf_reductions`), and ``norms.leaf_norm(x, inf)``
+    (combined across devices, 0 for an empty leaf)."""
     local = norms.leaf_reductions(xs, lambda x: jnp.abs(x.astype(norms.acc_dtype(x.dtype))),
                                   "max")
-    return [jnp.maximum(norms.across(p, "max", split), 0.0)
-            for p, split in zip(local, norms.split_axes(xs, axis_name))]
+    return local, [jnp.maximum(norms.across(p, "max", split), 0.0)
+                   for p, split in zip(local, norms.split_axes(xs, axis_name))]
 
 
 def _clamped(xs: list[jax.Array], bounds: list[jax.Array], axis_name: AxisName
