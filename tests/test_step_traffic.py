@@ -60,9 +60,9 @@ BUDGET = {
     "l2_normalize": 1,
     # Per-element state (an EMA, the previous update): floor 2 (one read, one write) + one read
     # per statistic.
-    "clip_norm_by_ema": 22,
+    "clip_norm_by_ema": 10,
     "normalize_by_ema": 8,
-    "clip_value_by_ema": 13,
+    "clip_value_by_ema": 11,
     "clip_value_growth": 13,
     # Per-row ranking: a bisection on the bits of |g| (31 rounds, each reads the bits and
     # writes and reads the comparison: XLA:CPU does not fuse a comparison into a reduction),
