@@ -152,7 +152,7 @@ def _peaks_and_flags(updates: Any, axis_name: AxisName) -> tuple[Any, Any]:
     maxima = norms.leaf_reductions(floats, lambda g: jnp.abs(g.astype(norms.acc_dtype(g.dtype))),
                                    "max")
     peaks = iter([jnp.maximum(norms.across(m, "max", sp), 0) for m, sp in zip(maxima, split)])
-    sums = iter(norms.leaf_reductions(floats, lambda g: g * jnp.zeros((), g.dtype)))
+    sums = iter(norms.leaf_reductions(floats, stats_lib.nan_marks))
     return trees.tree_unzip(lambda g: (next(peaks), next(sums) == 0) if norms.is_float(g)
                             else (None, None), updates, n=2)
 

@@ -1,18 +1,21 @@
 """Exact structural cost measures read from the optimized HLO of a jitted step (no timing).
 
-``traffic`` counts the parameter-sized buffers a step reads and writes: on a tree with one large
-leaf, every operand or result of an executed kernel (a fusion, a copy, a sort, ...) with at
-least as many elements as that leaf is one pass over memory. On a large model a step is bound
-by memory bandwidth, so its time is close to (passes) x (bytes of one buffer) / bandwidth, and
-a kernel that re-reads the gradients or materialises a temporary shows up as one more pass. Of
-the branches of a ``conditional`` the one that writes the most parameter-sized buffers counts
-(the run branch of a wrapper that can hold a step); between branches that write as many, the
-cheaper one (a scale-safe norm recomputes a leaf's sum of squares with a rescaling in a branch
-that only reads, taken only when the plain sum overflows or underflows). The body of a
-``while`` loop counts once per iteration (XLA's known trip count; once when it is unknown).
+``traffic`` counts the parameter-sized buffers a step reads and writes: on a tree of large
+leaves of one size, every operand or result of an executed kernel (a fusion, a copy, a sort,
+...) with at least as many elements as such a leaf is one pass over memory. On a large model a
+step is bound by memory bandwidth, so its time is close to (passes) x (bytes of one buffer) /
+bandwidth, and a kernel that re-reads the gradients or materialises a temporary shows up as
+one more pass.
+
+A ``conditional`` that returns parameter-sized arrays is a gate on the step itself (a wrapper
+that runs or holds the optimizer): its dearest branch counts. One that returns only small
+values computes a statistic on a rare path (a scale-safe norm recomputed with a rescaling
+where the plain sum of squares overflowed or underflowed, a tie-break that only some rows
+need): its cheapest branch counts, the one a typical step takes. The body of a ``while`` loop
+counts once per iteration (XLA's known trip count; once when it is unknown).
 
 Used by ``tests/test_step_traffic.py`` (the per-transform budget) and by ``make bench`` (the
-traffic column of the benchmark table).
+passes column of the benchmark table).
 """
 
 from __future__ import annotations
@@ -90,8 +93,9 @@ def _traffic_of(name: str, bodies: dict[str, list[str]], size: int) -> Traffic:
             continue
         if opcode == "conditional":
             branches = _OPERAND.findall(_BRANCHES.search(attributes).group(1))
-            total += max((_traffic_of(b, bodies, size) for b in branches),
-                         key=lambda t: (t.writes, -t.reads))
+            pick = max if _large_arrays(shape, size) else min
+            total += pick((_traffic_of(b, bodies, size) for b in branches),
+                          key=lambda t: t.passes)
         elif opcode in ("call", "while"):
             body = _traffic_of(_CALLS.search(attributes).group(1), bodies, size)
             trips = _TRIPS.search(attributes) if opcode == "while" else None
@@ -105,8 +109,9 @@ def _traffic_of(name: str, bodies: dict[str, list[str]], size: int) -> Traffic:
 
 def traffic(tx: optax.GradientTransformation, tree) -> Traffic:
     """Parameter-sized reads and writes of ``jit(tx.update)`` (gradients and state donated, the
-    tree also passed as the parameters) on ``tree``, which has one leaf much larger than the
-    others; buffers at least as large as that leaf count."""
+    tree also passed as the parameters) on ``tree``: buffers at least as large as its largest
+    leaf count. Give the tree two or more leaves of that size and shape: XLA shares a broadcast
+    constant between the reductions of same-shape leaves only, and then writes it out."""
     size = max(x.size for x in jax.tree.leaves(tree))
     state = jax.eval_shape(tx.init, tree)
     text = jax.jit(tx.update, donate_argnums=(0, 1)).lower(tree, state, tree).compile().as_text()

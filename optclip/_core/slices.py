@@ -587,17 +587,21 @@ def clamped_leaves(tree: Any, low: Any, high: Any, axis_name: norms.AxisName
 
 
 def excess(x: jax.Array, low: Any, high: Any) -> jax.Array:
-    """``Σ (max(x - high, 0) + max(low - x, 0) + 0 x)`` in the wide dtype (``None``: no bound):
+    """``Σ (max(x - high, 0) + max(low - x, 0) + (x - x))`` in the wide dtype (``None``: no bound):
     positive (``inf`` included) exactly when some element lies outside ``[low, high]``, NaN
     exactly when some element is NaN or infinite. One reduction of arithmetic only, which
     XLA:CPU fuses into a single read (a comparison would write a mask out first). Under
     flush-to-zero, a difference from a bound below ``2**-126`` counts as none, as it does for
     the clamp itself."""
-    terms = x * jnp.zeros((), x.dtype)
+    # The bounds and the zero pass through a barrier with the leaf: XLA then shares none of
+    # them (as a leaf-sized broadcast, written out) with the sums of other leaves of its shape.
+    bounds = [None if b is None else jnp.asarray(b).astype(x.dtype) for b in (low, high)]
+    x, (low, high), zero = jax.lax.optimization_barrier((x, bounds, jnp.zeros((), x.dtype)))
+    terms = stats.nan_marks(x)
     if high is not None:
-        terms = terms + jnp.maximum(x - jnp.asarray(high).astype(x.dtype), 0)
+        terms = terms + jnp.maximum(x - high, zero)
     if low is not None:
-        terms = terms + jnp.maximum(jnp.asarray(low).astype(x.dtype) - x, 0)
+        terms = terms + jnp.maximum(low - x, zero)
     return jnp.sum(terms, dtype=norms.acc_dtype(x.dtype))
 
 

@@ -124,22 +124,30 @@ def keep_finite(new: Any, old: Any) -> Any:
     return jax.tree.map(lambda n, o: jnp.where(jnp.isfinite(n), n, o), new, old)
 
 
-def leaf_finite(x: jax.Array) -> jax.Array:
-    """Scalar bool: every element of the floating array ``x`` is finite.
+def nan_marks(x: jax.Array) -> jax.Array:
+    """``x - x``: 0 at every finite element, NaN at NaN and ±Inf.
 
-    Read off ``sum(x * 0)``: each term is 0 for a finite element and NaN for NaN or ±Inf, so the
-    sum is 0 exactly when all are finite and never overflows. XLA:CPU runs this sum in its fast
-    reduction path, where a ``jnp.isfinite`` mask is first written out as an array (about 3x
-    slower); and its fast maximum may skip NaN, so finiteness is never read off a maximum.
+    Summed, it is 0 exactly when all elements are finite, and never overflows. XLA:CPU runs
+    that sum in its fast reduction kernel, which reads ``x`` once (a ``jnp.isfinite`` mask is
+    first written out as an array, about 3x slower; its fast maximum may skip NaN, so
+    finiteness is never read off a maximum). No constant takes part: ``x * 0`` broadcasts a
+    zero that XLA shares between the reductions of same-shape leaves, and a shared operand is
+    written out as a leaf-sized array and read by each of them.
     """
-    return jnp.sum(x * jnp.zeros((), x.dtype)) == 0
+    return x - x
+
+
+def leaf_finite(x: jax.Array) -> jax.Array:
+    """Scalar bool: every element of the floating array ``x`` is finite (``sum`` of
+    :func:`nan_marks` is 0)."""
+    return jnp.sum(nan_marks(x)) == 0
 
 
 def all_finite(tree: Any, axis_name: norms.AxisName = None) -> jax.Array:
     """Scalar bool: every element of every floating leaf of ``tree`` is finite.
 
     One-element leaves (per-leaf statistics) are tested together on one vector; larger leaves
-    each give ``sum(x * 0)`` (:func:`leaf_finite`), small leaves of one shape from one shared
+    each give ``sum(x - x)`` (:func:`leaf_finite`), small leaves of one shape from one shared
     variadic reduce (:func:`optclip._core.norms.leaf_reductions`). With ``axis_name`` (inside
     ``shard_map``/``pmap``) on every device along those mesh axes, so a step is committed or
     skipped everywhere alike. The floating leaves are those of
@@ -149,7 +157,7 @@ def all_finite(tree: Any, axis_name: norms.AxisName = None) -> jax.Array:
     leaves = norms.float_leaves(tree)
     arrays = [x for x in leaves if x.size != 1]
     values = [x.reshape(()) for x in leaves if x.size == 1] + norms.leaf_reductions(
-        arrays, lambda x: x * jnp.zeros((), x.dtype))
+        arrays, nan_marks)
     local = (jnp.all(jnp.isfinite(norms.gather_scalars(values))) if values
              else jnp.asarray(True))
     return norms.all_true(local, axis_name)
