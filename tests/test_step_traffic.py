@@ -66,14 +66,14 @@ BUDGET = {
     "l1q_normalize": 23,
     "l1q_frank_wolfe": 23,
     # Reading the parameters.
-    "project_l2_ball": 13,
+    "project_l2_ball": 6,
     "project_linf_ball": 4,
     "clamp_params": 4,
     "frank_wolfe": 3,
     "l1_frank_wolfe": 4,
     "l2_frank_wolfe": 4,
     "linf_frank_wolfe": 5,
-    "adaptive_grad_clip": 10,
+    "adaptive_grad_clip": 4,
     # Wrappers of adam.
     "skip_spikes": 4,
     "spam_clip": 8,
