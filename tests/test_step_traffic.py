@@ -44,7 +44,7 @@ BUDGET = {
     # A per-leaf or global statistic: one read for it, one for the finiteness check.
     "clip_norm": 2,
     "clip_by_global_norm": 2,
-    "normalize": 5,
+    "normalize": 3,
     "centralize": 1,
     "zscore_normalize": 3,
     "clip_norm_growth": 1,

@@ -290,8 +290,10 @@ def _slice_root_sum_squares(x: jax.Array, axes: tuple[int, ...],
     return root_of_squares(plain, scaled, SCALE_SHIFT[x.dtype])
 
 
-def slice_l2_norms(items: list[tuple[jax.Array, tuple[int, ...], tuple[str, ...]]]
-                   ) -> list[jax.Array]:
+Items = list[tuple[jax.Array, tuple[int, ...], tuple[str, ...]]]
+
+
+def slice_l2_norms(items: Items | Callable[[], Items]) -> list[jax.Array]:
     """L2 norm of every slice (keepdims, wide dtype) of each ``(array, axes, split)``: the
     arrays reduced over ``axes``, the sums combined across the mesh axes ``split``.
 
@@ -299,32 +301,66 @@ def slice_l2_norms(items: list[tuple[jax.Array, tuple[int, ...], tuple[str, ...]
     sums of squares (:data:`SCALE_SHIFT`) from one variadic reduce; larger arrays give the
     plain sum, and their scaled sums are taken only on a step where some plain sum overflowed
     (one scalar ``lax.cond`` for all of them). A NaN/Inf element leaves its slice's norm
-    non-finite.
+    non-finite. ``items`` may be a function building the list: arrays computed from others
+    are then rebuilt inside that branch rather than written out for it.
     """
-    items = [(_wide(x), axes, split) for x, axes, split in items]
-    paired = [sums_paired(x) for x, _, _ in items]
-    large = iter(_lazy_slice_l2_norms([i for i, p in zip(items, paired) if not p]))
-    return [_slice_root_sum_squares(*i) if p else next(large) for i, p in zip(items, paired)]
+    def widened(listed: Items) -> Items:
+        return [(_wide(x), axes, split) for x, axes, split in listed]
+
+    if callable(items):
+        def wide() -> Items:
+            return widened(items())
+    else:
+        # Widened once: the branch reads the same arrays (XLA then reduces them the same way).
+        listed = widened(items)
+
+        def wide() -> Items:
+            return listed
+
+    first = wide()
+    paired = [sums_paired(x) for x, _, _ in first]
+
+    def unpaired(listed: Items) -> Items:
+        return [i for i, p in zip(listed, paired) if not p]
+
+    large = iter(_lazy_slice_l2_norms(unpaired(first), lambda: unpaired(wide())))
+    return [_slice_root_sum_squares(*i) if p else next(large) for i, p in zip(first, paired)]
 
 
-def _lazy_slice_l2_norms(items: list[tuple[jax.Array, tuple[int, ...], tuple[str, ...]]]
-                         ) -> list[jax.Array]:
-    """:func:`slice_l2_norms` of wide arrays from plain sums, the scaled sums under one cond."""
-    def sums(pick: Callable[[jax.Array], jax.Array]) -> list[jax.Array]:
-        return [across(jnp.expand_dims(jax.lax.reduce(pick(x), jnp.zeros((), x.dtype),
-                                                      jax.lax.add, axes), axes), "sum", split)
-                for x, axes, split in items]
-
+def _lazy_slice_l2_norms(items: Items, build: Callable[[], Items]) -> list[jax.Array]:
+    """:func:`slice_l2_norms` of wide arrays from plain sums, the scaled sums under one cond
+    (over the arrays ``build()`` gives again)."""
     if not items:
         return []
-    plain = sums(jax.lax.square)
+    plain = [across(jnp.expand_dims(jax.lax.reduce(jax.lax.square(x), jnp.zeros((), x.dtype),
+                                                   jax.lax.add, axes), axes), "sum", split)
+             for x, axes, split in items]
     # Per array (a NaN in one array must not hide an overflow in another).
     overflow = gather_scalars([jnp.any(jnp.isinf(p)) for p in plain])
     scaled = _when_overflowed(
         overflow, lambda: [overflowed_sums(x, p, axes, split)
-                           for p, (x, axes, split) in zip(plain, items)], plain, True)
+                           for p, (x, axes, split) in zip(plain, build())], plain, True)
     return [root_of_squares(p, q, SCALE_SHIFT[x.dtype])
             for p, q, (x, _, _) in zip(plain, scaled, items)]
+
+
+def slice_stds(items: Items) -> list[jax.Array]:
+    """:func:`slice_norm` of order ``'std'`` of every slice (keepdims, wide dtype) of each
+    ``(array, axes, split)``, the same values.
+
+    A large array is read twice, for the mean and for the plain sum of squared deviations, and
+    a third time only on a step where some of those sums overflowed (:func:`slice_l2_norms`,
+    the deviations rebuilt there instead of written out for it).
+    """
+    wide = [(_wide(x), axes, split) for x, axes, split in items]
+    counts = [math.prod(x.shape[a] for a in axes) * axes_size(split) for x, axes, split in wide]
+    means = [across(jnp.expand_dims(jax.lax.reduce(x, jnp.zeros((), x.dtype), jax.lax.add, axes),
+                                    axes), "sum", split) / k
+             for (x, axes, split), k in zip(wide, counts)]
+    spread = [i for i, k in enumerate(counts) if k >= 2]
+    roots = iter(slice_l2_norms(lambda: [(wide[i][0] - means[i], *wide[i][1:]) for i in spread]))
+    return [next(roots) / math.sqrt(k - 1) if k >= 2 else jnp.full(m.shape, jnp.nan, x.dtype)
+            for (x, _, _), m, k in zip(wide, means, counts)]
 
 
 def overflowed_sums(x: jax.Array, plain: jax.Array, axes: tuple[int, ...],

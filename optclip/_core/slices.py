@@ -640,13 +640,25 @@ def _whole_leaf_factors(leaves: list[jax.Array], ord: float | str,
     kernels per group of leaves instead of a factor computation per leaf.
     """
     if len({norms.acc_dtype(x.dtype) for x in leaves}) != 1:
-        each = norms.leaf_norms(leaves, ord, axis_name)
+        each = _leaf_norms(leaves, ord, axis_name)
         return [(multiplier(n), n) for n in each]
     if ord == 2.0:
         vector = norms.leaf_l2_norms(leaves, axis_name, vector=True)
     else:
-        vector = norms.gather_scalars(norms.leaf_norms(leaves, ord, axis_name))
+        vector = norms.gather_scalars(_leaf_norms(leaves, ord, axis_name))
     return handout.rows((multiplier(vector), vector))
+
+
+def _leaf_norms(leaves: list[jax.Array], ord: float | str, axis_name: norms.AxisName
+                ) -> list[jax.Array]:
+    """:func:`optclip._core.norms.leaf_norms`; for ``'std'`` the same values from
+    :func:`optclip._core.norms.slice_stds` (the deviations are not written out, and their
+    scaled sums are taken only on a step where a plain sum overflowed)."""
+    if ord != "std":
+        return norms.leaf_norms(leaves, ord, axis_name)
+    items = [(x, tuple(range(x.ndim)), split)
+             for x, split in zip(leaves, norms.split_axes(leaves, axis_name))]
+    return [n.reshape(()) for n in norms.slice_stds(items)]
 
 
 def scale_slices(
@@ -688,14 +700,14 @@ def scale_slices(
         # One-element slices (no reduced axes) are never split across devices.
         return norms.split_axes([x], axis_name)[0] if axes else ()
 
-    def one_leaf(x, axes, whole):
+    def one_leaf(x, axes, whole, std):
         if not norms.is_float(x):
             return x, None
         if axes is None:
             return x, jnp.zeros((), norms.acc_dtype(x.dtype))
         if whole is not None:  # (factor, norm) of a whole-leaf slice
             return norms.scale(x, whole[0]), whole[1]
-        norm = norms.slice_norm(x, ord, axes, leaf_split(x, axes))
+        norm = norms.slice_norm(x, ord, axes, leaf_split(x, axes)) if std is None else std
         return norms.scale(x, multiplier(norm)), jnp.squeeze(norm, axis=axes)
 
     leaves, treedef = jax.tree.flatten(tree)
@@ -708,5 +720,11 @@ def scale_slices(
              if axes and axes == tuple(range(x.ndim))]
     measured = dict(zip(whole, _whole_leaf_factors([leaves[i] for i in whole], ord, multiplier,
                                                    axis_name)))
-    results = [one_leaf(x, axes, measured.get(i)) for i, (x, axes) in enumerate(zip(leaves, plan))]
+    # Per-slice standard deviations of the other leaves, also together (one overflow test).
+    sliced = [i for i, axes in enumerate(plan)
+              if ord == "std" and axes and i not in measured and norms.is_float(leaves[i])]
+    stds = dict(zip(sliced, norms.slice_stds([(leaves[i], plan[i], leaf_split(leaves[i], plan[i]))
+                                              for i in sliced])))
+    results = [one_leaf(x, axes, measured.get(i), stds.get(i))
+               for i, (x, axes) in enumerate(zip(leaves, plan))]
     return tuple(treedef.unflatten([r[i] for r in results]) for i in range(2))
