@@ -70,9 +70,9 @@ BUDGET = {
     "project_linf_ball": 4,
     "clamp_params": 4,
     "frank_wolfe": 3,
-    "l1_frank_wolfe": 4,
+    "l1_frank_wolfe": 3,
     "l2_frank_wolfe": 4,
-    "linf_frank_wolfe": 5,
+    "linf_frank_wolfe": 3,
     "adaptive_grad_clip": 4,
     # Wrappers of adam.
     "skip_spikes": 4,

@@ -135,7 +135,8 @@ def leaf_finite(x: jax.Array) -> jax.Array:
     return jnp.sum(x * jnp.zeros((), x.dtype)) == 0
 
 
-def all_finite(tree: Any, axis_name: norms.AxisName = None) -> jax.Array:
+def all_finite(tree: Any, axis_name: norms.AxisName = None,
+               zero: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
     """Scalar bool: every element of every floating leaf of ``tree`` is finite.
 
     One-element leaves (per-leaf statistics) are tested together on one vector; larger leaves
@@ -144,12 +145,13 @@ def all_finite(tree: Any, axis_name: norms.AxisName = None) -> jax.Array:
     ``shard_map``/``pmap``) on every device along those mesh axes, so a step is committed or
     skipped everywhere alike. The floating leaves are those of
     :func:`optclip._core.norms.float_leaves` (arrays; a transform's ``update`` has already made
-    Python-float leaves 0-d arrays).
+    Python-float leaves 0-d arrays). ``zero`` (optional) replaces ``x * 0``: another elementwise
+    expression that is 0 for a finite element and NaN otherwise (``x - x``).
     """
     leaves = norms.float_leaves(tree)
     arrays = [x for x in leaves if x.size != 1]
     values = [x.reshape(()) for x in leaves if x.size == 1] + norms.leaf_reductions(
-        arrays, lambda x: x * jnp.zeros((), x.dtype))
+        arrays, zero or (lambda x: x * jnp.zeros((), x.dtype)))
     local = (jnp.all(jnp.isfinite(norms.gather_scalars(values))) if values
              else jnp.asarray(True))
     return norms.all_true(local, axis_name)
