@@ -13,6 +13,7 @@ continues as if the bad one had never happened; ``nonfinite`` counts such steps.
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 from typing import Any, NamedTuple
 
@@ -219,14 +220,11 @@ def _norm_by_ema(divisor_rule, state_cls, beta, ord, eps, tensorwise, max_ema_gr
                 for dtype in {jnp.dtype(old[i].dtype) for i in floats}}
         moved: dict[int, jax.Array] = {}
 
-        def move(i, fresh=False):
-            """Leaf ``i``'s moved EMA, traced once (``fresh``: traced again, for a branch
-            that recomputes it instead of keeping it)."""
-            if fresh or i not in moved:
-                value = _moved(leaves[i], old[i], keep[jnp.dtype(old[i].dtype)], beta, ema_init)
-                if fresh:
-                    return value
-                moved[i] = value
+        def move(i):
+            """Leaf ``i``'s moved EMA, traced once (measured, then committed)."""
+            if i not in moved:
+                moved[i] = _moved(leaves[i], old[i], keep[jnp.dtype(old[i].dtype)], beta,
+                                  ema_init)
             return moved[i]
 
         rule = _Rule(first, growth, divisor_rule, ord, eps, axis_name)
@@ -324,21 +322,8 @@ def _decide_group(leaves, idx, move, state, treedef, rule: _Rule):
     measurable = np.array([norms.metric_defined(rule.ord, x.size * norms.axes_size(axes))
                            for x, axes in zip(xs, split)])
 
-    def rebuild():
-        return xs + [move(i, fresh=True) for i in idx]
-
-    # Where no leaf can be read a second time (under the scalar cond of an overflowed sum of
-    # squares, for large leaves or several devices), the moved EMAs are traced once and shared
-    # with the commit; otherwise that branch recomputes them (``rebuild``) instead of keeping
-    # them.
-    once = jax.device_count() == 1 and all(x.size <= norms.PAIR_MAX_ELEMENTS for x in xs)
-    arrays = xs + [move(i) for i in idx] if once else rebuild
-    if rule.ord == 2.0:
-        both = norms.leaf_l2_norms(arrays, rule.axis_name, vector=True)
-    else:
-        both = norms.gather_scalars(norms.leaf_norms(arrays, rule.ord, rule.axis_name))
-    n = len(idx)
-    a, b = both[:n].astype(dtype), both[n:].astype(dtype)
+    a, b = _leaf_metrics(xs, [move(i) for i in idx], rule)
+    a, b = a.astype(dtype), b.astype(dtype)
     if not measurable.all():
         a, b = jnp.where(measurable, a, 0), jnp.where(measurable, b, 0)
     step = _decide(a, b, _gathered(state, "ema_norm", treedef, idx), rule.first, rule.growth,
@@ -350,6 +335,104 @@ def _decide_group(leaves, idx, move, state, treedef, rule: _Rule):
     flags = [stats_lib.leaf_finite(x) for x, m in zip(xs, measurable) if not (m and sees)]
     flags.append(jnp.all(jnp.isfinite(a) & jnp.isfinite(b)))
     return a, step, flags
+
+
+def _leaf_metrics(xs: list[jax.Array], ms: list[jax.Array], rule: _Rule
+                  ) -> tuple[jax.Array, jax.Array]:
+    """The metric (``norms.leaf_norm``) of each update ``xs`` and of each moved EMA ``ms``, as
+    two vectors."""
+    if rule.ord == 2.0:
+        return _leaf_l2_norms(xs, ms, rule.axis_name)
+    if rule.ord == "std":
+        both = _leaf_stds(xs, rule.axis_name) + _leaf_stds(ms, rule.axis_name)
+    else:
+        both = norms.leaf_norms(xs + ms, rule.ord, rule.axis_name)
+    both = norms.gather_scalars(both)
+    return both[:len(xs)], both[len(xs):]
+
+
+def _leaf_l2_norms(xs: list[jax.Array], ms: list[jax.Array], axis_name: AxisName
+                   ) -> tuple[jax.Array, jax.Array]:
+    """``norms.leaf_l2_norms(xs + ms, vector=True)`` as two vectors, the same values from
+    fewer passes.
+
+    Leaves that are reduced alone whatever their neighbours (larger than the same-shape groups
+    of ``norms.leaf_reductions``) are measured by one call for the updates and one for the
+    EMAs: each call has its own branch for an overflowed sum of squares, and two branches share
+    no constant (inside one, XLA would write a constant out as an array the size of a leaf for
+    the reductions of both to read). The other leaves stay in one call, reduced in the same
+    groups as before.
+    """
+    alone = [j for j, x in enumerate(xs) if x.size > norms._GROUP_MAX_ELEMENTS]
+    grouped = [j for j, x in enumerate(xs) if x.size <= norms._GROUP_MAX_ELEMENTS]
+    parts = []
+    if grouped:
+        both = norms.leaf_l2_norms([xs[j] for j in grouped] + [ms[j] for j in grouped],
+                                   axis_name, vector=True)
+        parts.append((both[:len(grouped)], both[len(grouped):]))
+    if alone:
+        parts.append(tuple(norms.leaf_l2_norms([v[j] for j in alone], axis_name, vector=True)
+                           for v in (xs, ms)))
+    if len(parts) == 1:
+        return parts[0]
+    order = np.argsort(grouped + alone)
+    return tuple(jnp.concatenate([p[k] for p in parts])[order] for k in range(2))
+
+
+def _leaf_stds(arrays: list[jax.Array], axis_name: AxisName) -> list[jax.Array]:
+    """``norms.leaf_norm(x, 'std')`` of each array, the same values from fewer passes.
+
+    Small arrays as there. For the others (one plain reduction each), the centred array
+    ``x - mean`` is rebuilt by each reader instead of being written out for all of them: the
+    plain sum of squares here, the scaled one (:data:`optclip._core.norms.SCALE_SHIFT`) only
+    on a step where some plain sum overflowed, under one scalar branch for all arrays.
+    """
+    split = norms.split_axes(arrays, axis_name)
+    small = [x.size <= norms.PAIR_MAX_ELEMENTS and jax.device_count() == 1 for x in arrays]
+    large = [(x.astype(norms.acc_dtype(x.dtype)), axes)
+             for x, axes, s in zip(arrays, split, small) if not s]
+    if not large:
+        return [norms.leaf_norm(x, "std", axis_name) for x in arrays]
+    means = [_mean(w, axes) for w, axes in large]
+    plain = [_sum_of(jax.lax.mul(w - m, w - m), axes) for (w, axes), m in zip(large, means)]
+
+    def scaled():   # w - m traced again here: not kept from the plain sums
+        return [_sum_of(_scaled_square(w - m), axes) for (w, axes), m in zip(large, means)]
+
+    overflow = jnp.any(jnp.isinf(norms.gather_scalars([p.reshape(()) for p in plain])))
+    scaled_sums = jax.lax.cond(overflow, scaled, lambda: [jnp.zeros_like(p) for p in plain])
+    roots = iter(_root(p, q, w.dtype, w.size * norms.axes_size(axes))
+                 for p, q, (w, axes) in zip(plain, scaled_sums, large))
+    return [norms.leaf_norm(x, "std", axis_name) if s else next(roots)
+            for x, s in zip(arrays, small)]
+
+
+def _mean(w: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """Mean of the whole (wide) array ``w``, split over the mesh axes ``axes``, keepdims."""
+    return _sum_of(w, axes) / (w.size * norms.axes_size(axes))
+
+
+def _sum_of(v: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """Sum of ``v`` over all its axes (one reduction), keepdims, summed across ``axes``."""
+    dims = tuple(range(v.ndim))
+    total = jax.lax.reduce(v, jnp.zeros((), v.dtype), jax.lax.add, dims)
+    return norms.across(jnp.expand_dims(total, dims), "sum", axes)
+
+
+def _scaled_square(c: jax.Array) -> jax.Array:
+    """``(c 2**-k)²`` as ``optclip._core.norms`` accumulates it (``k``: ``SCALE_SHIFT``),
+    through the same maximum with 0 (which keeps XLA from rewriting the square)."""
+    down = jnp.maximum(jnp.abs(c) * jnp.asarray(2.0 ** -norms.SCALE_SHIFT[c.dtype], c.dtype), 0)
+    return jax.lax.mul(down, down)
+
+
+def _root(plain: jax.Array, scaled: jax.Array, dtype, k: int) -> jax.Array:
+    """The ``'std'`` metric from the sums of squares of a centred array of ``k`` elements (over
+    all devices); NaN for fewer than two."""
+    if k < 2:
+        return jnp.full((), jnp.nan, dtype)
+    return (norms.root_of_squares(plain, scaled, norms.SCALE_SHIFT[jnp.dtype(dtype)])
+            / math.sqrt(k - 1)).reshape(())
 
 
 def _group_size(group: Any, axis_name: AxisName) -> int:
@@ -543,17 +626,21 @@ def clip_value_by_ema(
         leaves, (old,), treedef = trees.flatten_with(updates, state.ema)
         floats = [i for i, x in enumerate(leaves) if norms.is_float(x)]
         xs = [leaves[i] for i in floats]
-        # The step's statistics first: a non-finite step leaves the EMA as it was.
-        ok = stats_lib.all_finite(xs, axis_name)
+        # The step's statistics first: a non-finite step leaves the EMA as it was. The
+        # reductions of the peaks (finite wherever the updates are) are tested with them: the
+        # output then depends on every reduction over the updates, so XLA takes them all
+        # before it writes the output and needs no copy of the donated updates.
+        local, peaks = _peaks(xs, axis_name)
+        ok = stats_lib.all_finite(xs + [p for p, x in zip(local, xs) if x.size], axis_name)
         ema = trees.unflatten_at(treedef, {i: jax.lax.select(ok, _moved(
-            jnp.abs(leaves[i]), old[i], keep(old[i].dtype), beta, ema_init), old[i])
+            _magnitude(leaves[i]), old[i], keep(old[i].dtype), beta, ema_init), old[i])
             for i in floats})
         bound, transform_state = transform.update(ema, state.ema_transform_state, params)
         (bounds,) = trees.flatten_with(updates, bound)[1]
         outputs, clipped = _clamped(xs, [bounds[i] for i in floats], axis_name)
         new = ClipValueByEMAState(
             optax.safe_increment(state.count), ema, transform_state,
-            trees.unflatten_at(treedef, dict(zip(floats, _peaks(xs, axis_name)))),
+            trees.unflatten_at(treedef, dict(zip(floats, peaks))),
             trees.unflatten_at(treedef, dict(zip(floats, clipped))), state.nonfinite)
         # The EMA was committed above (the bound reads it): not a second select over it.
         outputs = dict(zip(floats, outputs))
@@ -563,13 +650,28 @@ def clip_value_by_ema(
     return checks.transformation(init_fn, update_fn)
 
 
-def _peaks(xs: list[jax.Array], axis_name: AxisName) -> list[jax.Array]:
-    """Largest ``|x|`` of each leaf (``norms.leaf_norm(x, inf)``), same-shape leaves reduced
-    together (:func:`optclip._core.norms.leaf_reductions`)."""
+def _magnitude(x: jax.Array) -> jax.Array:
+    """``|x|`` (bit for bit, NaN included) by clearing the sign bit.
+
+    Each reduction over the updates (the largest ``|x|``, the clamp test) and the EMA's move
+    take ``|x|`` in a different form: XLA merges equal expressions, and XLA:CPU's fast reduction
+    kernel takes in only the operations that no other kernel reads, so one shared ``|x|`` would
+    be written out as an array and read back by each of them.
+    """
+    bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+    sign = np.array(1 << (8 * x.dtype.itemsize - 1), bits.dtype)
+    return jax.lax.bitcast_convert_type(bits & ~sign, x.dtype)
+
+
+def _peaks(xs: list[jax.Array], axis_name: AxisName
+           ) -> tuple[list[jax.Array], list[jax.Array]]:
+    """Largest ``|x|`` of each leaf: this device's reductions (same-shape leaves reduced
+    together, :func:`optclip._core.norms.leaf_reductions`), and ``norms.leaf_norm(x, inf)``
+    (combined across devices, 0 for an empty leaf)."""
     local = norms.leaf_reductions(xs, lambda x: jnp.abs(x.astype(norms.acc_dtype(x.dtype))),
                                   "max")
-    return [jnp.maximum(norms.across(p, "max", split), 0.0)
-            for p, split in zip(local, norms.split_axes(xs, axis_name))]
+    return local, [jnp.maximum(norms.across(p, "max", split), 0.0)
+                   for p, split in zip(local, norms.split_axes(xs, axis_name))]
 
 
 def _clamped(xs: list[jax.Array], bounds: list[jax.Array], axis_name: AxisName
@@ -584,7 +686,8 @@ def _clamped(xs: list[jax.Array], bounds: list[jax.Array], axis_name: AxisName
     ``|x| > B``.
     """
     wide = [x.astype(b.dtype) for x, b in zip(xs, bounds)]
-    excess = norms.leaf_reductions([jnp.abs(w) - b for w, b in zip(wide, bounds)],
+    # |x| as |-x| here (the same values): see _magnitude.
+    excess = norms.leaf_reductions([jnp.abs(-w) - b for w, b in zip(wide, bounds)],
                                    lambda v: v, "max")
     outputs, clipped = [], []
     for x, w, b, e in zip(xs, wide, bounds, excess):

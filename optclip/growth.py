@@ -152,11 +152,11 @@ def clip_value_growth(
 
     def leaf_step(x, prev, first, hp):
         """``(output, new reference, max ratio, clipped, finite)`` of one floating leaf."""
-        finite = stats_lib.leaf_finite(x)
         if identity:
+            finite = stats_lib.leaf_finite(x)
             ratio, limited = jnp.ones((), prev.dtype), jnp.zeros((), bool)
         else:
-            ratio, limited = _value_stats(x, prev, hp, axis_name)
+            finite, ratio, limited = _value_stats(x, prev, hp, axis_name)
         out, new_prev = _value_step(x, prev, first, hp, limited | ~finite)
         ratio = jnp.where(first, 1, ratio).astype(ratio.dtype)
         return out, new_prev, ratio, limited & ~first, finite
@@ -214,22 +214,53 @@ def _value_limit(wide: jax.Array, prev: jax.Array, hp: _Limits):
 
 
 def _value_stats(x: jax.Array, prev: jax.Array, hp: _Limits, axis_name: AxisName):
-    """``(max ratio, limited somewhere)`` of one leaf, before anything is written."""
-    x, prev = jax.lax.optimization_barrier((x, prev))
-    _, size, floor, excess = _value_limit(x.astype(prev.dtype), prev, hp)
-    ratio = size / floor
-    if hp.min_value is None:   # 0/0 (zero reference and update) has no ratio; torchzero
-        ratio = _select(jnp.isnan(ratio), jnp.zeros_like(ratio), ratio)   # leaves it alone
-    max_ratio = jnp.maximum(norms.leaf_norm(ratio, float("inf"), axis_name).astype(
-        ratio.dtype), _const(_MIN_RATIO, ratio))
+    """``(finite, max ratio, limited somewhere)`` of one leaf, before anything is written.
+
+    Two reductions, each reading the leaf's update and reference at most once: the largest
+    growth ratio, and a sum that is NaN exactly when an update is not finite and otherwise
+    counts the elements the additive cap limits (``sum(x * 0)`` of the update without ``add``).
+    """
+    max_ratio = _max_ratio(x, prev, hp, axis_name)
     limited = jnp.zeros((), bool)
     if hp.mul is not None:     # ~(m <= mul): also where a NaN was kept in the maximum
         limited = ~(max_ratio <= _const(hp.mul, max_ratio))
-    if hp.add is not None:
-        top = norms.across(jnp.max(excess, initial=-jnp.inf), "max",
-                           norms.split_axes([x], axis_name)[0])
-        limited = limited | ~(top <= 0)
-    return max_ratio, limited
+    if hp.add is None:
+        return stats_lib.leaf_finite(_apart(x)), max_ratio, limited
+    w, p, add, zero = _apart(x, prev, hp.add, jnp.zeros((), prev.dtype))
+    w = w.astype(p.dtype)
+    excess = jnp.maximum(jnp.abs(w) - jnp.abs(p), zero) - _const(add, w)
+    total = jnp.sum(w * zero + jnp.sign(jnp.maximum(excess, zero)))
+    split = norms.split_axes([x], axis_name)[0]   # ~(t <= 0): also where the sum is NaN
+    capped = norms.across((~(total <= 0)).astype(jnp.int32), "max", split) > 0
+    return jnp.isfinite(total), max_ratio, limited | capped
+
+
+def _apart(*values):
+    """``values`` behind an optimization barrier: XLA shares no subexpression (not even a
+    broadcast constant) between what is computed from them and the rest of the step.
+
+    XLA:CPU runs a reduction as one library kernel that reads its inputs once only when every
+    intermediate it needs is used by that reduction alone; a shared one is written out first.
+    """
+    return jax.lax.optimization_barrier(values if len(values) > 1 else values[0])
+
+
+def _max_ratio(x: jax.Array, prev: jax.Array, hp: _Limits, axis_name: AxisName) -> jax.Array:
+    """``max(max |y| / m, 1e-8)`` of one leaf (:func:`_value_limit`), from operations XLA:CPU's
+    reduction kernel fuses (no compare or select): the same values as the elementwise limit."""
+    w, p, hp, zero = _apart(x, prev, hp, jnp.zeros((), prev.dtype))
+    w = w.astype(p.dtype)
+    reference = jnp.abs(p)
+    size = jnp.abs(w)
+    if hp.add is not None:     # a zero excess subtracts ±0: the same |y|
+        excess = jnp.maximum(size - reference, zero) - _const(hp.add, w)
+        size = jnp.abs(w - jnp.maximum(excess, zero) * jnp.sign(w))
+    if hp.min_value is None:   # 0/0 (zero reference and update) has no ratio; torchzero
+        ratio = size / (reference + (1 - jnp.sign(size)))   # leaves it alone: 0 / 1
+    else:
+        ratio = size / jnp.maximum(reference, _const(hp.min_value, w))
+    return jnp.maximum(norms.leaf_norm(ratio, float("inf"), axis_name).astype(
+        ratio.dtype), _const(_MIN_RATIO, ratio))
 
 
 def _value_step(x: jax.Array, prev: jax.Array, first: jax.Array, hp: _Limits,

@@ -17,9 +17,11 @@ state built the same way). The wrapped state must hold exactly one such state.
 A step with a NaN/Inf gradient leaves the wrapped state as it was (its moments never take a
 non-finite value) and returns NaN updates, which ``optax.apply_if_finite`` drops. The
 statistics a transform needs before the adam runs (the clipped fraction, the per-tensor RMS,
-the finiteness check) come from one reduction over the gradients and ``nu``; the clipping or
-scaling itself fuses into the adam's own pass, and the non-finite gate is one ``lax.cond`` on a
-scalar, not a select over the moments.
+the finiteness check) come from one reduction over the gradients and ``nu``, and the
+non-finite gate is one ``lax.cond`` on a scalar, not a select over the moments. The elementwise
+clips write the clipped gradients (NaN on a held step) in one pass ahead of the adam, which
+reads them as it would the gradients; StableAdamW's per-tensor factor fuses into the adam's
+update.
 """
 
 from __future__ import annotations
@@ -140,6 +142,14 @@ def _clip(g: jax.Array, v: jax.Array, limit: Limit, active: jax.Array) -> jax.Ar
     return _cast(jax.lax.select(over, jax.lax.mul(jax.lax.sign(wide), thr), wide), g.dtype)
 
 
+def _clipped(updates: Any, nu: Any, limit: Limit, active: jax.Array,
+             finite: jax.Array) -> Any:
+    """:func:`_clip` of every floating leaf of ``updates`` against its ``nu``, NaN everywhere
+    unless the scalar ``finite`` holds (the updates of a held step)."""
+    return jax.tree.map(lambda g, v: _nan_unless(finite, _clip(g, v, limit, active))
+                        if norms.is_float(g) else g, updates, nu)
+
+
 def _squared_excess(g: jax.Array, v: jax.Array, inv_width: jax.Array, nu_weight: jax.Array,
                     floor: jax.Array) -> jax.Array:
     """``(g / w)**2 - max(b * nu, f)``: positive exactly where ``|g| > w sqrt(b * nu)`` (or
@@ -182,22 +192,24 @@ def _clip_fraction(updates: Any, nu: Any, excess: Limit, active: jax.Array,
     return fraction.astype(norms.stat_dtype(updates)), jnp.isfinite(total)
 
 
-def _gated_step(inner, finite, updates, inner_state, params, extra_args, prepare=None):
-    """``inner.update`` on ``prepare``'d updates and state where ``finite`` holds; else NaN
-    updates (``optax.apply_if_finite`` drops them) and ``inner_state`` as it was.
+def _gated_step(inner, finite, updates, inner_state, params, extra_args, prepare=None, *,
+                held_nan=False):
+    """``inner.update`` on ``updates`` and the ``prepare``'d state where ``finite`` holds; else
+    NaN updates (``optax.apply_if_finite`` drops them) and ``inner_state`` as it was.
 
     One ``lax.cond`` (:func:`optclip._core.stats.run_or_hold`), no pass over the moments. The
-    held branch hands its operands back unchanged and the NaN updates come from a select after
-    the cond: XLA then keeps every output in the buffer of the operand it replaces (with donated
-    buffers, a branch that builds new arrays makes XLA copy outputs after the cond), and the
-    select fuses into whatever reads the updates next. The held branch takes its output types
-    from the traced update when that was traced first (the wrapped optimizer is traced once).
+    held branch hands its operands back unchanged: XLA then keeps every output in the buffer of
+    the operand it replaces (with donated buffers, a branch that builds new arrays makes XLA
+    copy outputs after the cond). The NaN updates come from a select after the cond, or, with
+    ``held_nan``, from ``updates`` themselves (the caller wrote them NaN on a held step in a pass
+    it makes anyway). The held branch takes its output types from the traced update when that
+    was traced first (the wrapped optimizer is traced once).
     """
     traced = []
 
     def run():
-        g, s = (updates, inner_state) if prepare is None else prepare()
-        result = inner.update(g, s, params, **extra_args)
+        s = inner_state if prepare is None else prepare(inner_state)
+        result = inner.update(updates, s, params, **extra_args)
         traced.append(jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x),
                                                                   jnp.result_type(x)), result))
         return result
@@ -208,7 +220,8 @@ def _gated_step(inner, finite, updates, inner_state, params, extra_args, prepare
                 stats_lib.cast_like(shapes[1], inner_state))
 
     out, new_inner = stats_lib.run_or_hold(finite, run, hold)
-    out = jax.tree.map(lambda o: _nan_unless(finite, o) if norms.is_float(o) else o, out)
+    if not held_nan:
+        out = jax.tree.map(lambda o: _nan_unless(finite, o) if norms.is_float(o) else o, out)
     return _passthrough(out, updates), new_inner
 
 
@@ -330,17 +343,15 @@ def spam_clip(
             s = _sqrt_nu(v, g)
             return jax.lax.mul(_cast(width, s.dtype), s)
 
-        def prepare():
-            inner_state = state.inner
-            if reset_interval is not None:
-                inner_state = stats_lib.keep_if(
-                    reset, _map_moment_state(_reset_moments, inner_state), inner_state)
-            return jax.tree.map(lambda g, v: _clip(g, v, limit, active)
-                                if norms.is_float(g) else g, updates, nu), inner_state
+        def prepare(inner_state):
+            if reset_interval is None:
+                return inner_state
+            return stats_lib.keep_if(reset, _map_moment_state(_reset_moments, inner_state),
+                                     inner_state)
 
         fraction, finite = _clip_fraction(updates, nu, excess, active, axis_name)
-        out, new_inner = _gated_step(inner, finite, updates, state.inner, params, extra_args,
-                                     prepare)
+        out, new_inner = _gated_step(inner, finite, _clipped(updates, nu, limit, active, finite),
+                                     state.inner, params, extra_args, prepare, held_nan=True)
         return out, _commit(finite, SpamClipState(
             inner=new_inner, count=step, clipped_fraction=fraction, clip_active=active,
             reset=reset, resets=state.resets + reset.astype(jnp.int32),
@@ -424,10 +435,6 @@ def adamw_clip(
             return jax.lax.max(jax.lax.mul(_cast(width, s.dtype), s),
                                np.asarray(min_threshold, s.dtype))
 
-        def prepare():
-            return jax.tree.map(lambda g, v: _clip(g, v, limit, active)
-                                if norms.is_float(g) else g, updates, nu), state.inner
-
         inv_width = 1 / width
         floor = jnp.square(jnp.asarray(min_threshold, stat) * inv_width)
         one = jnp.ones_like(width)
@@ -436,8 +443,8 @@ def adamw_clip(
             return _squared_excess(g, v, inv_width, one, floor)
 
         fraction, finite = _clip_fraction(updates, nu, excess, active, axis_name)
-        out, new_inner = _gated_step(inner, finite, updates, state.inner, params, extra_args,
-                                     prepare)
+        out, new_inner = _gated_step(inner, finite, _clipped(updates, nu, limit, active, finite),
+                                     state.inner, params, extra_args, held_nan=True)
         return out, _commit(finite, AdamWClipState(
             inner=new_inner, clipped_fraction=fraction, clip_active=active,
             nonfinite=state.nonfinite), state)

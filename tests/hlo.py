@@ -5,8 +5,11 @@ leaf, every operand or result of an executed kernel (a fusion, a copy, a sort, .
 least as many elements as that leaf is one pass over memory. On a large model a step is bound
 by memory bandwidth, so its time is close to (passes) x (bytes of one buffer) / bandwidth, and
 a kernel that re-reads the gradients or materialises a temporary shows up as one more pass. Of
-the branches of a ``conditional`` the most expensive one is counted (the run branch of a
-wrapper that can hold a step).
+the branches of a ``conditional`` the one that writes the most parameter-sized buffers counts
+(the run branch of a wrapper that can hold a step); between branches that write as many, the
+cheaper one (a scale-safe norm recomputes a leaf's sum of squares with a rescaling in a branch
+that only reads, taken only when the plain sum overflows or underflows). The body of a
+``while`` loop counts once per iteration (XLA's known trip count; once when it is unknown).
 
 Used by ``tests/test_step_traffic.py`` (the per-transform budget) and by ``make bench`` (the
 traffic column of the benchmark table).
@@ -28,6 +31,7 @@ _ARRAY = re.compile(r"\b[a-z]+\d*\[([\d,]*)\]")
 _OPERAND = re.compile(r"%([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _CALLS = re.compile(r"(?:calls|to_apply|body)=%?([\w.\-]+)")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 # Opcodes that move no data: they name buffers (or parts of tuples) that already exist.
 _FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "copy-start",
          "copy-done", "after-all", "partition-id", "replica-id"}
@@ -46,6 +50,9 @@ class Traffic:
 
     def __add__(self, other: Traffic) -> Traffic:
         return Traffic(self.reads + other.reads, self.writes + other.writes)
+
+    def __mul__(self, times: int) -> Traffic:
+        return Traffic(self.reads * times, self.writes * times)
 
 
 def _large_arrays(shape: str, size: int) -> int:
@@ -84,9 +91,11 @@ def _traffic_of(name: str, bodies: dict[str, list[str]], size: int) -> Traffic:
         if opcode == "conditional":
             branches = _OPERAND.findall(_BRANCHES.search(attributes).group(1))
             total += max((_traffic_of(b, bodies, size) for b in branches),
-                         key=lambda t: t.passes)
+                         key=lambda t: (t.writes, -t.reads))
         elif opcode in ("call", "while"):
-            total += _traffic_of(_CALLS.search(attributes).group(1), bodies, size)
+            body = _traffic_of(_CALLS.search(attributes).group(1), bodies, size)
+            trips = _TRIPS.search(attributes) if opcode == "while" else None
+            total += body * (int(trips.group(1)) if trips else 1)
         else:
             reads = sum(_large_arrays(shapes.get(o, ""), size)
                         for o in dict.fromkeys(_OPERAND.findall(operands)))

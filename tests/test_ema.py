@@ -426,6 +426,32 @@ def test_norms_beyond_float32_sum_of_squares_stay_right(size):
     assert int(state.nonfinite) == 0
 
 
+@pytest.mark.parametrize("ord", [2, "std"])
+def test_leaf_norms_equal_the_core_metric_bit_for_bit(ord):
+    """The per-leaf norms of the updates and of the moved EMA are the core metric's, bit for bit,
+    on leaves reduced alone (> 2**16 elements), in same-shape groups and as small pairs, also on
+    a step whose plain sums of squares overflow (1e25 in float32)."""
+    from optclip._core import norms
+
+    rng = np.random.default_rng(3)
+    shapes = {"alone": (260, 256), "alone2": (260, 256), "mid": (64, 80), "mid2": (64, 80),
+              "small": (5, 3)}
+    tx = optclip.clip_norm_by_ema(beta=0.5, ord=ord, max_ema_growth=None)
+    metric = jax.jit(lambda t: jax.tree.map(lambda x: norms.leaf_norm(x, norms.canonical_ord(
+        ord)), t))
+    for scale in (1.0, 1e25):
+        tree = {k: jnp.asarray(rng.standard_normal(s) * scale, jnp.float32)
+                for k, s in shapes.items()}
+        _, state = jax.jit(tx.update)(tree, tx.init(tree))
+        # First step from zeros: the stored EMA is the moved one (no growth cap).
+        for name, want in (("norm", metric(tree)), ("ema_norm", metric(state.ema))):
+            got = getattr(state, name)
+            for k in shapes:
+                assert np.isfinite(float(want[k])), (name, k)
+                np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]),
+                                              err_msg=f"{name}[{k}] at scale {scale}")
+
+
 def test_traced_hyperparameters_with_inject_hyperparams():
     seq = [as_tree(s) for s in S1]
     plain, _ = run(optclip.clip_norm_by_ema(beta=0.5), seq)

@@ -429,3 +429,62 @@ def test_leaves_of_two_statistics_dtypes_each_against_their_own_reference(factor
             for field in s._fields[1:-1]:
                 np.testing.assert_array_equal(getattr(state, field)[k], getattr(s, field))
         np.testing.assert_array_equal(out["n"], seq[-1]["n"])
+
+
+# ---------------------------------------------------------------------------------------------
+# clip_value_growth's statistics (each read off one reduction over the update and reference).
+
+def _second_step(tx, first, second):
+    update = jax.jit(tx.update)
+    _, state = update(jnp.asarray(first), tx.init(jnp.asarray(first)))
+    return update(jnp.asarray(second), state)
+
+
+@pytest.mark.parametrize(("second", "clipped", "ratio"), [
+    # |-3| - |-2| = 1 > add: -3 becomes -2.5, whose ratio 2.5 / 2 = 1.25 is the largest.
+    ([1.2, -3.0, 0.0], True, [np.float32(2.5) / np.float32(2.0)]),
+    # Nothing grows by more than add: unchanged; 0.25 over the floor 1e-4 is the largest.
+    ([1.2, -2.4, 0.25], False, [np.float32(0.25) / np.float32(1e-4)]),
+], ids=["limited", "unlimited"])
+def test_value_growth_additive_cap_flag_and_ratio(second, clipped, ratio):
+    """``clipped`` holds exactly when the additive cap limits an element (no multiplicative
+    cap), and ``max_ratio`` is measured after the additive cap."""
+    out, state = _second_step(optclip.clip_value_growth(add=0.5, mul=None), [1.0, -2.0, 0.0],
+                              second)
+    want = [1.2, -2.5, 0.0] if clipped else second
+    np.testing.assert_array_equal(out, np.asarray(want, np.float32))
+    assert bool(state.clipped) is clipped
+    assert float(state.max_ratio) == float(ratio[0])
+
+
+@pytest.mark.parametrize(("second", "ratio", "out"), [
+    ([0.0, 2.5], 1.25, [0.0, 2.5]),           # 0 over a zero reference has no ratio
+    ([1.0, 2.5], math.inf, [0.0, 2.5]),       # anything else over a zero reference stays 0
+])
+def test_value_growth_zero_reference_without_floor(second, ratio, out):
+    got, state = _second_step(optclip.clip_value_growth(min_value=None), [0.0, 2.0], second)
+    np.testing.assert_array_equal(got, np.asarray(out, np.float32))
+    assert float(state.max_ratio) == ratio
+    assert bool(state.clipped) is (ratio > 1.5)
+
+
+@pytest.mark.parametrize(("index", "poison"), [(0, math.nan), (-1, -math.inf)])
+def test_value_growth_additive_nonfinite_step_leaves_state_unchanged(index, poison):
+    """With ``add``, one sum gives both the finiteness and the additive-cap flag."""
+    seq = [as_tree(s) for s in random_sequence(seed=2, steps=5)]
+    assert_nonfinite_step_skipped(optclip.clip_value_growth(add=0.1, mul=None), seq, 2, index,
+                                  poison)
+
+
+def test_value_growth_step_passes():
+    """Beyond adam's passes: the ratio reduction reads the update and the reference (2), the
+    finiteness sum the update (1; with ``add`` also the reference: 2), adam's two kernels read
+    the reference once each (2), one kernel writes the new reference (3), and XLA copies the
+    update and the reference (4), as it cannot order the in-place writes after their
+    readers."""
+    from tests.hlo import traffic
+    from tests.test_step_traffic import TREE
+    adam = traffic(optax.adam(1e-3), TREE).passes
+    for kwargs, extra in (({}, 12), ({"add": 0.5, "mul": None}, 13), ({"min_value": None}, 12)):
+        tx = optax.chain(optclip.clip_value_growth(**kwargs), optax.adam(1e-3))
+        assert traffic(tx, TREE).passes - adam == extra, kwargs

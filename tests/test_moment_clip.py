@@ -227,14 +227,17 @@ def test_nnx_optimizer():
     assert "stable_adamw_clip/rms_max" in optclip.stats(nnx_pure(optimizer.opt_state))
 
 
-def test_nonfinite_gradients_leave_the_adam_state_unchanged():
-    tx, update = _jitted("spam")
+@pytest.mark.parametrize("case", ["spam", "adamw_clip", "stable_adamw"])
+def test_nonfinite_gradients_leave_the_adam_state_unchanged(case):
+    tx, update = _jitted(case)
     state = tx.init(PARAMS)
     g = jax.tree.map(jnp.asarray, _grads()[0])
     _, state = update(g, state, PARAMS)
-    _, after = update({**g, "b": g["b"].at[0].set(jnp.inf)}, state, PARAMS)
+    out, after = update({**g, "b": g["b"].at[0].set(jnp.inf)}, state, PARAMS)
     chex.assert_trees_all_equal(after.inner, state.inner)
     assert int(after.nonfinite) == 1
+    # Every update is NaN (optax.apply_if_finite drops the step), not only the bad element's.
+    assert all(bool(jnp.isnan(x).all()) for x in jax.tree.leaves(out))
 
 
 @pytest.mark.parametrize("factory", [optclip.spam_clip, optclip.adamw_clip,

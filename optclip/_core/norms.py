@@ -438,7 +438,7 @@ def leaf_l2_norms(leaves: list[jax.Array] | Callable[[], list[jax.Array]],
     arrays = build()
     if not arrays:
         return jnp.zeros((0,), jnp.float32) if vector else []
-    if not _one_wide_dtype(arrays):
+    if not one_wide_dtype(arrays):
         each = [leaf_norm(x, 2.0, axis_name) for x in arrays]
         return gather_scalars([n.astype(stat_dtype()) for n in each]) if vector else each
     split = split_axes(arrays, axis_name)
@@ -618,7 +618,7 @@ def global_norm(tree: Any, ord: float | str = 2.0, axis_name: AxisName = None) -
     """
     leaves = float_leaves(tree)
     split = split_axes(leaves, axis_name)
-    if ord == 2.0 and _one_wide_dtype(leaves):
+    if ord == 2.0 and one_wide_dtype(leaves):
         plain, scaled, lazy = _square_partials(leaves)
         total = tree_sum(plain, split)
         scaled_total = _when_overflowed(jnp.isinf(total), lambda: tree_sum(scaled(), split),
@@ -636,7 +636,7 @@ def global_norm(tree: Any, ord: float | str = 2.0, axis_name: AxisName = None) -
     return overflow_safe(lambda: _plain_global_norm(leaves, ord, split), rescaled)
 
 
-def _one_wide_dtype(leaves: list[jax.Array]) -> bool:
+def one_wide_dtype(leaves: list[jax.Array]) -> bool:
     """Whether all leaves accumulate in one dtype (then their scaled sums share one scale)."""
     return bool(leaves) and len({acc_dtype(x.dtype) for x in leaves}) == 1
 

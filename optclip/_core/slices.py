@@ -639,7 +639,7 @@ def _whole_leaf_factors(leaves: list[jax.Array], ord: float | str,
     on it, and :func:`optclip._core.handout.rows` hands each leaf its pair: a fixed number of
     kernels per group of leaves instead of a factor computation per leaf.
     """
-    if len({norms.acc_dtype(x.dtype) for x in leaves}) != 1:
+    if not norms.one_wide_dtype(leaves):
         each = _leaf_norms(leaves, ord, axis_name)
         return [(multiplier(n), n) for n in each]
     if ord == 2.0:
@@ -700,14 +700,15 @@ def scale_slices(
         # One-element slices (no reduced axes) are never split across devices.
         return norms.split_axes([x], axis_name)[0] if axes else ()
 
-    def one_leaf(x, axes, whole, std):
+    def one_leaf(x, axes, whole, norm):
         if not norms.is_float(x):
             return x, None
         if axes is None:
             return x, jnp.zeros((), norms.acc_dtype(x.dtype))
         if whole is not None:  # (factor, norm) of a whole-leaf slice
             return norms.scale(x, whole[0]), whole[1]
-        norm = norms.slice_norm(x, ord, axes, leaf_split(x, axes)) if std is None else std
+        if norm is None:
+            norm = norms.slice_norm(x, ord, axes, leaf_split(x, axes))
         return norms.scale(x, multiplier(norm)), jnp.squeeze(norm, axis=axes)
 
     leaves, treedef = jax.tree.flatten(tree)
@@ -720,11 +721,14 @@ def scale_slices(
              if axes and axes == tuple(range(x.ndim))]
     measured = dict(zip(whole, _whole_leaf_factors([leaves[i] for i in whole], ord, multiplier,
                                                    axis_name)))
-    # Per-slice standard deviations of the other leaves, also together (one overflow test).
-    sliced = [i for i, axes in enumerate(plan)
-              if ord == "std" and axes and i not in measured and norms.is_float(leaves[i])]
-    stds = dict(zip(sliced, norms.slice_stds([(leaves[i], plan[i], leaf_split(leaves[i], plan[i]))
-                                              for i in sliced])))
-    results = [one_leaf(x, axes, measured.get(i), stds.get(i))
+    # L2 norms and standard deviations of partial slices (rows, columns) together too: each leaf
+    # read once (twice for 'std'), the scaled sums only on a step where some plain sum
+    # overflowed (one test for all of them).
+    partial = [i for i, (x, axes) in enumerate(zip(leaves, plan))
+               if ord in (2.0, "std") and axes and i not in measured and norms.is_float(x)]
+    together = norms.slice_l2_norms if ord == 2.0 else norms.slice_stds
+    sliced = dict(zip(partial, together(
+        [(leaves[i], plan[i], leaf_split(leaves[i], plan[i])) for i in partial])))
+    results = [one_leaf(x, axes, measured.get(i), sliced.get(i))
                for i, (x, axes) in enumerate(zip(leaves, plan))]
     return tuple(treedef.unflatten([r[i] for r in results]) for i in range(2))
