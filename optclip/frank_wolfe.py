@@ -65,12 +65,30 @@ def _l1_lmo(g: jax.Array, axes: tuple[int, ...], split: tuple[str, ...], first: 
 
 def _first_largest(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(i*, finite)`` per row (keepdims): the first index of the largest ``|g|`` (NaN ranked
-    as the largest), and whether the row is finite, read off the entry found (NaN and ±Inf rank
-    above every finite magnitude). One argmax of the magnitudes' bits: on XLA:CPU an integer
-    argmax runs in one read of the row (a float argmax, a float key or a ranking by bisection
-    take several)."""
-    first = jnp.argmax(slices.magnitude_bits(rows), axis=-1, keepdims=True).astype(jnp.int32)
-    return first, jnp.isfinite(jnp.take_along_axis(rows, first, axis=-1))
+    as the largest), and whether the row is finite, read off the largest magnitude found (NaN
+    and ±Inf rank above every finite magnitude). One argmax of the magnitudes' bits that also
+    returns the maximum: on XLA:CPU an integer argmax runs in one read of the row (a float
+    argmax, a float key or a ranking by bisection take several), and no second kernel reads
+    the row for the entry found."""
+    bits = slices.magnitude_bits(rows)
+    # The index type of jnp.argmax (64 bits under jax_enable_x64): the same kernels.
+    kind = jax.dtypes.canonicalize_dtype(jnp.int64)
+    index = jax.lax.broadcasted_iota(kind, bits.shape, bits.ndim - 1)
+    low = jnp.asarray(jnp.iinfo(bits.dtype).min, bits.dtype)
+    peak, first = jax.lax.reduce((bits, index), (low, jnp.zeros((), kind)), _first_max,
+                                 (bits.ndim - 1,))
+    inf = jax.lax.bitcast_convert_type(jnp.asarray(jnp.inf, norms.acc_dtype(rows.dtype)),
+                                       bits.dtype)
+    return first[..., None].astype(jnp.int32), (peak < inf)[..., None]
+
+
+def _first_max(a: tuple, b: tuple) -> tuple:
+    """Combiner of the argmax: the larger value, and on ties the lower index (jnp.argmax's)."""
+    (value_a, index_a), (value_b, index_b) = a, b
+    pick = value_a > value_b
+    pick_index = pick | ((value_a == value_b) & (index_a < index_b))
+    return (jax.lax.select(pick, value_a, value_b),
+            jax.lax.select(pick_index, index_a, index_b))
 
 
 def _l1_measure(leaves: list, cut: slices.Slicing, axis_name: norms.AxisName
@@ -430,7 +448,18 @@ def linf_frank_wolfe(epsilon: float, learning_rate: float = 2.0,
     """
     _check_ball(epsilon, learning_rate, use_default_lr_schedule, param_ndim, eps, axis_name)
     return _frank_wolfe("linf_frank_wolfe", lambda g, axes, split, k: slices.sign(g), epsilon,
-                        learning_rate, use_default_lr_schedule, eps, param_ndim, axis_name)
+                        learning_rate, use_default_lr_schedule, eps, param_ndim, axis_name,
+                        measure=_sign_measure)
+
+
+def _sign_measure(leaves: list, cut: slices.Slicing, axis_name: norms.AxisName
+                  ) -> tuple[list, list]:
+    """Nothing for the sign LMO, and the finiteness of the updates from ``sum(g - g)`` (0 for
+    finite ``g``, NaN otherwise) rather than ``sum(g * 0)``: the zero that ``sign`` compares
+    with is then no constant shared with the check, which XLA:CPU would write out as a buffer
+    of the leaf's size for the check's reduction to read."""
+    del cut, axis_name  # the flag is combined across devices by the caller
+    return [None] * len(leaves), [stats_lib.all_finite(leaves)]
 
 
 def l1q_frank_wolfe(q: float, epsilon: float, dq: float = 0.0, learning_rate: float = 2.0,

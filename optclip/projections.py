@@ -97,16 +97,42 @@ def _projection(name: str, measure, apply, state_cls: type, limits, axis_name: n
 
 
 def _plain_norm(x: jax.Array, axes: tuple[int, ...] | None, split: tuple[str, ...]
-                ) -> jax.Array | None:
-    """``sqrt(Σx²)`` of every slice (keepdims, wide dtype) in one reduction; one-element slices
-    (``axes=()``) get their exact norm ``|x|``."""
+                ) -> tuple[jax.Array | None, jax.Array | None]:
+    """``(sqrt(Σx²), Σx²)`` of every slice (keepdims, wide dtype) from one reduction;
+    one-element slices (``axes=()``) get their exact norm ``|x|`` (and no sum)."""
     if axes is None:
-        return None
+        return None, None
     if not axes:
-        return norms.slice_norm(x, 2.0, (), split)
+        return norms.slice_norm(x, 2.0, (), split), None
     wide = x.astype(norms.acc_dtype(x.dtype))
-    return norms.safe_sqrt(norms.across(jnp.sum(jnp.square(wide), axis=axes, keepdims=True),
-                                        "sum", split))
+    total = norms.across(jnp.sum(jnp.square(wide), axis=axes, keepdims=True), "sum", split)
+    return norms.safe_sqrt(total), total
+
+
+def _rescued_norm(x: jax.Array, norm: jax.Array | None, total: jax.Array | None,
+                  axes: tuple[int, ...] | None, split: tuple[str, ...]
+                  ) -> tuple[jax.Array | None, jax.Array | None]:
+    """``(scale-safe norm of every slice, whether every element is finite)`` of one leaf, from
+    its plain ``norm`` and sums of squares ``total`` (:func:`_plain_norm`).
+
+    A large leaf is read once more, for the scaled sums of the slices whose plain sum
+    overflowed; its finiteness is read off the sums: a NaN element makes its slice's plain
+    sum NaN, an infinite one both sums infinite, and no finite slice overflows the scaled sum.
+    One-element slices are exact already (``|x|`` is finite exactly where ``x`` is). A small
+    leaf whose sums come from one variadic reduce is measured as :func:`norms.slice_norm`
+    measures it, its finiteness from the leaf.
+    """
+    if norm is None:
+        return None, None
+    if not axes:
+        return norm, stats_lib.leaf_finite(norm)
+    if norms.sums_paired(x):
+        return norms.slice_norm(x, 2.0, axes, split), stats_lib.leaf_finite(x)
+    wide = x.astype(total.dtype)
+    scaled = norms.overflowed_sums(wide, total, axes, split)
+    over = total == jnp.inf
+    return (norms.root_of_squares(total, scaled, norms.SCALE_SHIFT[wide.dtype]),
+            stats_lib.leaf_finite(jnp.where(over, scaled, total)))
 
 
 def _slice_norms(build, cut: slices.Slicing, axis_name: norms.AxisName) -> tuple[list, list]:
@@ -115,25 +141,23 @@ def _slice_norms(build, cut: slices.Slicing, axis_name: norms.AxisName) -> tuple
 
     One read of each leaf: the plain sums of squares. Only where some norm came out infinite
     or NaN (a sum of squares overflowed, or the step is not finite: one scalar test for the
-    whole tree) are the norms measured again, scale-safe, and the leaves checked for NaN/Inf;
-    otherwise every norm is finite and so is every leaf, and the flags need no pass of their own.
+    whole tree) are the leaves read again (:func:`_rescued_norm`); otherwise every norm is
+    finite and so is every leaf, and the flags need no pass of their own.
     """
     plain = [_plain_norm(x, axes, split) for x, axes, split in
              zip(build(), cut.axes, cut.split, strict=True)]
-    sums = [stats_lib.leaf_finite(n) for n in plain if n is not None]
+    sums = [stats_lib.leaf_finite(n) for n, _ in plain if n is not None]
     clean = norms.all_true(jnp.all(norms.gather_scalars(sums)) if sums else jnp.asarray(True),
                            axis_name)
 
     def exact():
-        leaves = build()
-        again = [n if n is None or not axes else norms.slice_norm(x, 2.0, axes, split)
-                 for x, n, axes, split in zip(leaves, plain, cut.axes, cut.split, strict=True)]
-        # From the leaves: the norm of a finite slice can overflow.
-        flags = [stats_lib.leaf_finite(x) for x, n in zip(leaves, again) if n is not None]
-        return again, stats_lib.all_of(flags, axis_name)
+        again = [_rescued_norm(x, n, total, axes, split) for x, (n, total), axes, split
+                 in zip(build(), plain, cut.axes, cut.split, strict=True)]
+        flags = [flag for _, flag in again if flag is not None]
+        return [n for n, _ in again], stats_lib.all_of(flags, axis_name)
 
     # One flag for the tree, the same on every device in both branches.
-    measured, finite = jax.lax.cond(clean, lambda: (plain, clean), exact)
+    measured, finite = jax.lax.cond(clean, lambda: ([n for n, _ in plain], clean), exact)
     return measured, [finite]
 
 

@@ -49,7 +49,7 @@ BUDGET = {
     # One reduction over g (a per-leaf, per-row or global statistic, finiteness from it).
     "clip_norm": 1,
     "clip_by_global_norm": 1,
-    "normalize": 8,
+    "normalize": 2,                 # the registry's ord="std": mean, then the deviation
     "centralize": 1,
     "zscore_normalize": 2,          # mean, then the deviation
     "clip_norm_growth": 1,
@@ -78,7 +78,7 @@ BUDGET = {
     "project_linf_ball": 4,
     "clamp_params": 4,
     "frank_wolfe": 3,
-    "l1_frank_wolfe": 4,
+    "l1_frank_wolfe": 3,
     "l2_frank_wolfe": 4,
     "linf_frank_wolfe": 3,
     "adaptive_grad_clip": 2,

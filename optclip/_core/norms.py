@@ -161,11 +161,16 @@ def _squares(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jax.lax.mul(x, x), jax.lax.mul(down, down)
 
 
+def sums_paired(x: jax.Array) -> bool:
+    """Whether ``x``'s plain and scaled sums of squares come from one variadic reduce."""
+    return x.size <= PAIR_MAX_ELEMENTS and _may_group()
+
+
 def _sum_squares(x: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
     """Plain and scaled sums of squares of ``x`` over ``axes`` (reduced axes dropped)."""
     squares = _squares(x)
     zero = jnp.zeros((), x.dtype)
-    if x.size <= PAIR_MAX_ELEMENTS and _may_group():
+    if sums_paired(x):
         return tuple(jax.lax.reduce(squares, (zero, zero), _add_pairs, axes))
     return tuple(jax.lax.reduce(v, zero, jax.lax.add, axes) for v in squares)
 
@@ -285,8 +290,10 @@ def _slice_root_sum_squares(x: jax.Array, axes: tuple[int, ...],
     return root_of_squares(plain, scaled, SCALE_SHIFT[x.dtype])
 
 
-def slice_l2_norms(items: list[tuple[jax.Array, tuple[int, ...], tuple[str, ...]]]
-                   ) -> list[jax.Array]:
+Items = list[tuple[jax.Array, tuple[int, ...], tuple[str, ...]]]
+
+
+def slice_l2_norms(items: Items | Callable[[], Items]) -> list[jax.Array]:
     """L2 norm of every slice (keepdims, wide dtype) of each ``(array, axes, split)``: the
     arrays reduced over ``axes``, the sums combined across the mesh axes ``split``.
 
@@ -294,30 +301,85 @@ def slice_l2_norms(items: list[tuple[jax.Array, tuple[int, ...], tuple[str, ...]
     sums of squares (:data:`SCALE_SHIFT`) from one variadic reduce; larger arrays give the
     plain sum, and their scaled sums are taken only on a step where some plain sum overflowed
     (one scalar ``lax.cond`` for all of them). A NaN/Inf element leaves its slice's norm
-    non-finite.
+    non-finite. ``items`` may be a function building the list: arrays computed from others
+    are then rebuilt inside that branch rather than written out for it.
     """
-    items = [(_wide(x), axes, split) for x, axes, split in items]
-    paired = [x.size <= PAIR_MAX_ELEMENTS and _may_group() for x, _, _ in items]
-    large = iter(_lazy_slice_l2_norms([i for i, p in zip(items, paired) if not p]))
-    return [_slice_root_sum_squares(*i) if p else next(large) for i, p in zip(items, paired)]
+    def widened(listed: Items) -> Items:
+        return [(_wide(x), axes, split) for x, axes, split in listed]
+
+    if callable(items):
+        def wide() -> Items:
+            return widened(items())
+    else:
+        # Widened once: the branch reads the same arrays (XLA then reduces them the same way).
+        listed = widened(items)
+
+        def wide() -> Items:
+            return listed
+
+    first = wide()
+    paired = [sums_paired(x) for x, _, _ in first]
+
+    def unpaired(listed: Items) -> Items:
+        return [i for i, p in zip(listed, paired) if not p]
+
+    large = iter(_lazy_slice_l2_norms(unpaired(first), lambda: unpaired(wide())))
+    return [_slice_root_sum_squares(*i) if p else next(large) for i, p in zip(first, paired)]
 
 
-def _lazy_slice_l2_norms(items: list[tuple[jax.Array, tuple[int, ...], tuple[str, ...]]]
-                         ) -> list[jax.Array]:
-    """:func:`slice_l2_norms` of wide arrays from plain sums, the scaled sums under one cond."""
-    def sums(pick: Callable[[jax.Array], jax.Array]) -> list[jax.Array]:
-        return [across(jnp.expand_dims(jax.lax.reduce(pick(x), jnp.zeros((), x.dtype),
-                                                      jax.lax.add, axes), axes), "sum", split)
-                for x, axes, split in items]
-
+def _lazy_slice_l2_norms(items: Items, build: Callable[[], Items]) -> list[jax.Array]:
+    """:func:`slice_l2_norms` of wide arrays from plain sums, the scaled sums under one cond
+    (over the arrays ``build()`` gives again)."""
     if not items:
         return []
-    plain = sums(jax.lax.square)
+    plain = [across(jnp.expand_dims(jax.lax.reduce(jax.lax.square(x), jnp.zeros((), x.dtype),
+                                                   jax.lax.add, axes), axes), "sum", split)
+             for x, axes, split in items]
     # Per array (a NaN in one array must not hide an overflow in another).
     overflow = gather_scalars([jnp.any(jnp.isinf(p)) for p in plain])
-    scaled = _when_overflowed(overflow, lambda: sums(lambda x: _squares(x)[1]), plain, True)
+    scaled = _when_overflowed(
+        overflow, lambda: [overflowed_sums(x, p, axes, split)
+                           for p, (x, axes, split) in zip(plain, build())], plain, True)
     return [root_of_squares(p, q, SCALE_SHIFT[x.dtype])
             for p, q, (x, _, _) in zip(plain, scaled, items)]
+
+
+def slice_stds(items: Items) -> list[jax.Array]:
+    """:func:`slice_norm` of order ``'std'`` of every slice (keepdims, wide dtype) of each
+    ``(array, axes, split)``, the same values.
+
+    A large array is read twice, for the mean and for the plain sum of squared deviations, and
+    a third time only on a step where some of those sums overflowed (:func:`slice_l2_norms`,
+    the deviations rebuilt there instead of written out for it).
+    """
+    wide = [(_wide(x), axes, split) for x, axes, split in items]
+    counts = [math.prod(x.shape[a] for a in axes) * axes_size(split) for x, axes, split in wide]
+    means = [across(jnp.expand_dims(jax.lax.reduce(x, jnp.zeros((), x.dtype), jax.lax.add, axes),
+                                    axes), "sum", split) / k
+             for (x, axes, split), k in zip(wide, counts)]
+    spread = [i for i, k in enumerate(counts) if k >= 2]
+    roots = iter(slice_l2_norms(lambda: [(wide[i][0] - means[i], *wide[i][1:]) for i in spread]))
+    return [next(roots) / math.sqrt(k - 1) if k >= 2 else jnp.full(m.shape, jnp.nan, x.dtype)
+            for (x, _, _), m, k in zip(wide, means, counts)]
+
+
+def overflowed_sums(x: jax.Array, plain: jax.Array, axes: tuple[int, ...],
+                    split: tuple[str, ...]) -> jax.Array:
+    """Scaled sums of squares (:data:`SCALE_SHIFT`) of the slices of the wide ``x`` over ``axes``
+    (keepdims, combined across ``split``) whose plain sums ``plain`` overflowed to ``inf``; the
+    other slices get values that :func:`root_of_squares` never reads.
+
+    The same sums as :func:`_squares` accumulates, scaled by a per-slice factor (``2**-k`` where
+    ``plain`` is ``inf``, else 0) instead of by constants: XLA:CPU writes a broadcast constant
+    shared by the reductions of several same-shaped arrays out as a buffer of their size, which
+    each of them then reads. With a factor that is not a constant XLA does not rewrite
+    ``(x f) (x f)`` into ``(x x) (f f)``, so no ``max(., 0)`` guard is needed either.
+    """
+    factor = jnp.where(plain == jnp.inf, jnp.asarray(2.0 ** -SCALE_SHIFT[x.dtype], x.dtype),
+                       jnp.zeros((), x.dtype))
+    down = jax.lax.abs(x) * factor
+    local = jax.lax.reduce(jax.lax.mul(down, down), jnp.zeros((), x.dtype), jax.lax.add, axes)
+    return across(jnp.expand_dims(local, axes), "sum", split)
 
 
 def sees_nonfinite(ord: float | str) -> bool:
@@ -591,7 +653,7 @@ def _square_partials(leaves: list[jax.Array], build: Callable[[], list] | None =
     ``build`` (optional) rebuilds ``leaves`` inside that call, so that leaves computed from
     others are recomputed there rather than kept for it.
     """
-    paired = [x.size <= PAIR_MAX_ELEMENTS and _may_group() for x in leaves]
+    paired = [sums_paired(x) for x in leaves]
     pairs = leaf_reductions([x for x, p in zip(leaves, paired) if p],
                             lambda x: _squares(_wide(x)))
     singles = [x for x, p in zip(leaves, paired) if not p]

@@ -644,13 +644,25 @@ def _whole_leaf_factors(leaves: list[jax.Array], ord: float | str,
     kernels per group of leaves instead of a factor computation per leaf.
     """
     if not norms.one_wide_dtype(leaves):
-        each = norms.leaf_norms(leaves, ord, axis_name)
+        each = _leaf_norms(leaves, ord, axis_name)
         return [(multiplier(n), n) for n in each]
     if ord == 2.0:
         vector = norms.leaf_l2_norms(leaves, axis_name, vector=True)
     else:
-        vector = norms.gather_scalars(norms.leaf_norms(leaves, ord, axis_name))
+        vector = norms.gather_scalars(_leaf_norms(leaves, ord, axis_name))
     return handout.rows((multiplier(vector), vector))
+
+
+def _leaf_norms(leaves: list[jax.Array], ord: float | str, axis_name: norms.AxisName
+                ) -> list[jax.Array]:
+    """:func:`optclip._core.norms.leaf_norms`; for ``'std'`` the same values from
+    :func:`optclip._core.norms.slice_stds` (the deviations are not written out, and their
+    scaled sums are taken only on a step where a plain sum overflowed)."""
+    if ord != "std":
+        return norms.leaf_norms(leaves, ord, axis_name)
+    items = [(x, tuple(range(x.ndim)), split)
+             for x, split in zip(leaves, norms.split_axes(leaves, axis_name))]
+    return [n.reshape(()) for n in norms.slice_stds(items)]
 
 
 def scale_slices(
@@ -713,11 +725,13 @@ def scale_slices(
              if axes and axes == tuple(range(x.ndim))]
     measured = dict(zip(whole, _whole_leaf_factors([leaves[i] for i in whole], ord, multiplier,
                                                    axis_name)))
-    # L2 norms of partial slices (rows, columns) together too: each leaf read once, the scaled
-    # sums only on a step where some plain sum overflowed (one test for all of them).
+    # L2 norms and standard deviations of partial slices (rows, columns) together too: each leaf
+    # read once (twice for 'std'), the scaled sums only on a step where some plain sum
+    # overflowed (one test for all of them).
     partial = [i for i, (x, axes) in enumerate(zip(leaves, plan))
-               if ord == 2.0 and axes and i not in measured]
-    sliced = dict(zip(partial, norms.slice_l2_norms(
+               if ord in (2.0, "std") and axes and i not in measured and norms.is_float(x)]
+    together = norms.slice_l2_norms if ord == 2.0 else norms.slice_stds
+    sliced = dict(zip(partial, together(
         [(leaves[i], plan[i], leaf_split(leaves[i], plan[i])) for i in partial])))
     results = [one_leaf(x, axes, measured.get(i), sliced.get(i))
                for i, (x, axes) in enumerate(zip(leaves, plan))]
