@@ -47,7 +47,7 @@ import optclip
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from tests.hlo import traffic  # noqa: E402 (the test suite's measure, shared)
+from tests import hlo  # noqa: E402 (the test suite's measure, shared)
 
 ADAM_PASSES = 6
 COMPILE_SHAPES = ((64, 32), (32,), (32, 64), (64,))
@@ -209,20 +209,10 @@ def state_per_param_byte(tx: optax.GradientTransformation, params) -> float:
     return state_bytes / param_bytes
 
 
-# The tree of the traffic count, as the test suite's: two layer-sized leaves of one shape (XLA
-# shares a broadcast constant between the reductions of same-shape leaves and writes it out)
-# and a small one; passes are counted per layer-sized leaf.
-TRAFFIC_TREE = {"w": jax.ShapeDtypeStruct((256, 512), jnp.float32),
-                "v": jax.ShapeDtypeStruct((256, 512), jnp.float32),
-                "b": jax.ShapeDtypeStruct((512,), jnp.float32)}
-TRAFFIC_LARGE = 2
-
-
 def extra_passes(case: Case) -> float:
     """Parameter-sized buffers read and written per step by ``chain(T, adam)`` beyond adam's
-    (exact: counted in the optimized HLO, ``tests/hlo.py``), per layer-sized leaf."""
-    return (traffic(optimizer(case), TRAFFIC_TREE).passes
-            - traffic(optax.adam(1e-3), TRAFFIC_TREE).passes) / TRAFFIC_LARGE
+    (exact: counted in the optimized HLO by the test suite's measure), per layer-sized leaf."""
+    return hlo.extra_passes(optimizer(case), optax.adam(1e-3))
 
 
 def floor_passes(case: Case, state_ratio: float) -> int:

@@ -248,7 +248,7 @@ def _apart(*values):
 def _max_ratio(x: jax.Array, prev: jax.Array, hp: _Limits, axis_name: AxisName) -> jax.Array:
     """``max(max |y| / m, 1e-8)`` of one leaf (:func:`_value_limit`), from operations XLA:CPU's
     reduction kernel fuses (no compare or select): the same values as the elementwise limit."""
-    w, p, hp, zero = _apart(x, prev, hp, jnp.zeros((), prev.dtype))
+    w, p, hp, zero, one = _apart(x, prev, hp, jnp.zeros((), prev.dtype), jnp.ones((), prev.dtype))
     w = w.astype(p.dtype)
     reference = jnp.abs(p)
     size = jnp.abs(w)
@@ -256,7 +256,7 @@ def _max_ratio(x: jax.Array, prev: jax.Array, hp: _Limits, axis_name: AxisName) 
         excess = jnp.maximum(size - reference, zero) - _const(hp.add, w)
         size = jnp.abs(w - jnp.maximum(excess, zero) * jnp.sign(w))
     if hp.min_value is None:   # 0/0 (zero reference and update) has no ratio; torchzero
-        ratio = size / (reference + (1 - jnp.sign(size)))   # leaves it alone: 0 / 1
+        ratio = size / (reference + (one - jnp.sign(size)))   # leaves it alone: 0 / 1
     else:
         ratio = size / jnp.maximum(reference, _const(hp.min_value, w))
     return jnp.maximum(norms.leaf_norm(ratio, float("inf"), axis_name).astype(

@@ -25,6 +25,7 @@ import math
 import re
 
 import jax
+import jax.numpy as jnp
 import optax
 
 _HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{$")
@@ -38,6 +39,15 @@ _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 # Opcodes that move no data: they name buffers (or parts of tuples) that already exist.
 _FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "copy-start",
          "copy-done", "after-all", "partition-id", "replica-id"}
+
+
+# The tree the counts are made on: two leaves of one layer's size and shape (XLA shares a
+# broadcast constant between the reductions of same-shape leaves only, and then writes it out:
+# a real model has many such leaves) and a small one. Passes are counted per large leaf.
+TREE = {"w": jax.ShapeDtypeStruct((256, 512), jnp.float32),
+        "v": jax.ShapeDtypeStruct((256, 512), jnp.float32),
+        "b": jax.ShapeDtypeStruct((512,), jnp.float32)}
+LARGE = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,3 +127,8 @@ def traffic(tx: optax.GradientTransformation, tree) -> Traffic:
     text = jax.jit(tx.update, donate_argnums=(0, 1)).lower(tree, state, tree).compile().as_text()
     bodies, entry = _computations(text)
     return _traffic_of(entry, bodies, size)
+
+
+def extra_passes(tx: optax.GradientTransformation, base: optax.GradientTransformation) -> float:
+    """Passes per large leaf of :data:`TREE` that ``tx``'s step makes beyond ``base``'s."""
+    return (traffic(tx, TREE).passes - traffic(base, TREE).passes) / LARGE

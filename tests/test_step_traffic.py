@@ -23,16 +23,8 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from tests.hlo import Traffic, traffic
+from tests.hlo import LARGE, TREE, Traffic, extra_passes, traffic
 from tests.registry import ALL_ENTRIES, Entry
-
-# Two leaves of one layer's size and shape (XLA shares a broadcast constant between the
-# reductions of same-shape leaves, and then writes it out: a real model has many) and a small
-# one. Passes are counted per large leaf.
-TREE = {"w": jax.ShapeDtypeStruct((256, 512), jnp.float32),
-        "v": jax.ShapeDtypeStruct((256, 512), jnp.float32),
-        "b": jax.ShapeDtypeStruct((512,), jnp.float32)}
-LARGE = 2
 
 # Wrappers of an optimizer: measured against the optimizer they wrap (as built in the registry).
 WRAPPED = {"skip_spikes": lambda: optax.adam(1e-2), "spam_clip": lambda: optax.adam(1e-2),
@@ -94,9 +86,9 @@ BUDGET = {
 
 def _extra(entry: Entry) -> float:
     """Passes per large leaf beyond the baseline's (halves where something is shared)."""
-    base = WRAPPED[entry.name]() if entry.name in WRAPPED else optax.adam(1e-3)
-    tx = entry.make() if entry.name in WRAPPED else optax.chain(entry.make(), optax.adam(1e-3))
-    return (traffic(tx, TREE).passes - traffic(base, TREE).passes) / LARGE
+    if entry.name in WRAPPED:
+        return extra_passes(entry.make(), WRAPPED[entry.name]())
+    return extra_passes(optax.chain(entry.make(), optax.adam(1e-3)), optax.adam(1e-3))
 
 
 def test_every_transform_has_a_budget():
