@@ -13,7 +13,6 @@ continues as if the bad one had never happened; ``nonfinite`` counts such steps.
 from __future__ import annotations
 
 import functools
-import math
 import numbers
 from typing import Any, NamedTuple
 
@@ -380,59 +379,11 @@ def _leaf_l2_norms(xs: list[jax.Array], ms: list[jax.Array], axis_name: AxisName
 
 
 def _leaf_stds(arrays: list[jax.Array], axis_name: AxisName) -> list[jax.Array]:
-    """``norms.leaf_norm(x, 'std')`` of each array, the same values from fewer passes.
-
-    Small arrays as there. For the others (one plain reduction each), the centred array
-    ``x - mean`` is rebuilt by each reader instead of being written out for all of them: the
-    plain sum of squares here, the scaled one (:data:`optclip._core.norms.SCALE_SHIFT`) only
-    on a step where some plain sum overflowed, under one scalar branch for all arrays.
-    """
+    """``norms.leaf_norm(x, 'std')`` of each array, the same values from fewer passes
+    (:func:`optclip._core.norms.slice_stds`: the deviations are not written out)."""
     split = norms.split_axes(arrays, axis_name)
-    small = [x.size <= norms.PAIR_MAX_ELEMENTS and jax.device_count() == 1 for x in arrays]
-    large = [(x.astype(norms.acc_dtype(x.dtype)), axes)
-             for x, axes, s in zip(arrays, split, small) if not s]
-    if not large:
-        return [norms.leaf_norm(x, "std", axis_name) for x in arrays]
-    means = [_mean(w, axes) for w, axes in large]
-    plain = [_sum_of(jax.lax.mul(w - m, w - m), axes) for (w, axes), m in zip(large, means)]
-
-    def scaled():   # w - m traced again here: not kept from the plain sums
-        return [_sum_of(_scaled_square(w - m), axes) for (w, axes), m in zip(large, means)]
-
-    overflow = jnp.any(jnp.isinf(norms.gather_scalars([p.reshape(()) for p in plain])))
-    scaled_sums = jax.lax.cond(overflow, scaled, lambda: [jnp.zeros_like(p) for p in plain])
-    roots = iter(_root(p, q, w.dtype, w.size * norms.axes_size(axes))
-                 for p, q, (w, axes) in zip(plain, scaled_sums, large))
-    return [norms.leaf_norm(x, "std", axis_name) if s else next(roots)
-            for x, s in zip(arrays, small)]
-
-
-def _mean(w: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """Mean of the whole (wide) array ``w``, split over the mesh axes ``axes``, keepdims."""
-    return _sum_of(w, axes) / (w.size * norms.axes_size(axes))
-
-
-def _sum_of(v: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """Sum of ``v`` over all its axes (one reduction), keepdims, summed across ``axes``."""
-    dims = tuple(range(v.ndim))
-    total = jax.lax.reduce(v, jnp.zeros((), v.dtype), jax.lax.add, dims)
-    return norms.across(jnp.expand_dims(total, dims), "sum", axes)
-
-
-def _scaled_square(c: jax.Array) -> jax.Array:
-    """``(c 2**-k)²`` as ``optclip._core.norms`` accumulates it (``k``: ``SCALE_SHIFT``),
-    through the same maximum with 0 (which keeps XLA from rewriting the square)."""
-    down = jnp.maximum(jnp.abs(c) * jnp.asarray(2.0 ** -norms.SCALE_SHIFT[c.dtype], c.dtype), 0)
-    return jax.lax.mul(down, down)
-
-
-def _root(plain: jax.Array, scaled: jax.Array, dtype, k: int) -> jax.Array:
-    """The ``'std'`` metric from the sums of squares of a centred array of ``k`` elements (over
-    all devices); NaN for fewer than two."""
-    if k < 2:
-        return jnp.full((), jnp.nan, dtype)
-    return (norms.root_of_squares(plain, scaled, norms.SCALE_SHIFT[jnp.dtype(dtype)])
-            / math.sqrt(k - 1)).reshape(())
+    stds = norms.slice_stds([(x, tuple(range(x.ndim)), sp) for x, sp in zip(arrays, split)])
+    return [s.reshape(()) for s in stds]
 
 
 def _group_size(group: Any, axis_name: AxisName) -> int:
