@@ -477,6 +477,7 @@ def test_value_growth_additive_nonfinite_step_leaves_state_unchanged(index, pois
                                   poison)
 
 
+@pytest.mark.skipif(not hlo.recorded_xla(), reason="exact pass counts of one XLA version")
 def test_value_growth_step_passes():
     """Beyond adam's passes: the ratio reduction reads the update and the reference (2), the
     finiteness sum the update (1; with ``add`` also the reference: 2), adam's two kernels read
