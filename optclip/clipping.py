@@ -629,11 +629,8 @@ def _std(spread: jax.Array, size: int) -> jax.Array:
 def _centred(wide: list[jax.Array], means: list[jax.Array]) -> list[jax.Array]:
     """``g - mean`` per leaf, for a reduction only.
 
-    Behind an optimization barrier: XLA would otherwise share ``g - mean`` between the
-    reduction and the output and, on CPU, write it out first (a reduction reads a shared
-    operand from memory).
+    Behind a barrier per leaf (``norms.apart``): XLA would otherwise share ``g - mean``
+    between the reduction and the output and, on CPU, write it out first.
     """
-    # One barrier per leaf: inside shard_map a joint one would mark every leaf as varying over
-    # the mesh axes of any one of them (a replicated bias would be summed across devices).
-    pairs = [jax.lax.optimization_barrier((g, mean)) for g, mean in zip(wide, means)]
+    pairs = [norms.apart(g, mean) for g, mean in zip(wide, means)]
     return [g - m for g, m in pairs]

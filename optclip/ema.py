@@ -362,8 +362,8 @@ def _leaf_l2_norms(xs: list[jax.Array], ms: list[jax.Array], axis_name: AxisName
     the reductions of both to read). The other leaves stay in one call, reduced in the same
     groups as before.
     """
-    alone = [j for j, x in enumerate(xs) if x.size > norms._GROUP_MAX_ELEMENTS]
-    grouped = [j for j, x in enumerate(xs) if x.size <= norms._GROUP_MAX_ELEMENTS]
+    alone = [j for j, x in enumerate(xs) if x.size > norms.GROUP_MAX_ELEMENTS]
+    grouped = [j for j, x in enumerate(xs) if x.size <= norms.GROUP_MAX_ELEMENTS]
     parts = []
     if grouped:
         both = norms.leaf_l2_norms([xs[j] for j in grouped] + [ms[j] for j in grouped],

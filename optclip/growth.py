@@ -225,8 +225,8 @@ def _value_stats(x: jax.Array, prev: jax.Array, hp: _Limits, axis_name: AxisName
     if hp.mul is not None:     # ~(m <= mul): also where a NaN was kept in the maximum
         limited = ~(max_ratio <= _const(hp.mul, max_ratio))
     if hp.add is None:
-        return stats_lib.leaf_finite(_apart(x)), max_ratio, limited
-    w, p, add, zero = _apart(x, prev, hp.add, jnp.zeros((), prev.dtype))
+        return stats_lib.leaf_finite(norms.apart(x)), max_ratio, limited
+    w, p, add, zero = norms.apart(x, prev, hp.add, jnp.zeros((), prev.dtype))
     w = w.astype(p.dtype)
     excess = jnp.maximum(jnp.abs(w) - jnp.abs(p), zero) - _const(add, w)
     total = jnp.sum(w * zero + jnp.sign(jnp.maximum(excess, zero)))
@@ -235,20 +235,11 @@ def _value_stats(x: jax.Array, prev: jax.Array, hp: _Limits, axis_name: AxisName
     return jnp.isfinite(total), max_ratio, limited | capped
 
 
-def _apart(*values):
-    """``values`` behind an optimization barrier: XLA shares no subexpression (not even a
-    broadcast constant) between what is computed from them and the rest of the step.
-
-    XLA:CPU runs a reduction as one library kernel that reads its inputs once only when every
-    intermediate it needs is used by that reduction alone; a shared one is written out first.
-    """
-    return jax.lax.optimization_barrier(values if len(values) > 1 else values[0])
-
-
 def _max_ratio(x: jax.Array, prev: jax.Array, hp: _Limits, axis_name: AxisName) -> jax.Array:
     """``max(max |y| / m, 1e-8)`` of one leaf (:func:`_value_limit`), from operations XLA:CPU's
     reduction kernel fuses (no compare or select): the same values as the elementwise limit."""
-    w, p, hp, zero, one = _apart(x, prev, hp, jnp.zeros((), prev.dtype), jnp.ones((), prev.dtype))
+    w, p, hp, zero, one = norms.apart(x, prev, hp, jnp.zeros((), prev.dtype),
+                                      jnp.ones((), prev.dtype))
     w = w.astype(p.dtype)
     reference = jnp.abs(p)
     size = jnp.abs(w)

@@ -157,10 +157,9 @@ def _squared_excess(g: jax.Array, v: jax.Array, inv_width: jax.Array, nu_weight:
     ``f``. No root and no absolute value (the cheap operations of XLA:CPU's fast reduction);
     finite for every finite ``g`` and ``nu`` (a square that overflows is an element far above
     the threshold)."""
-    # Through a barrier with the leaf: XLA then shares no broadcast of these scalars with the
-    # reductions of other leaves of this shape (a shared one is written out, leaf-sized).
-    g, v, inv_width, nu_weight, floor = jax.lax.optimization_barrier(
-        (g, v, inv_width, nu_weight, floor))
+    # Through a barrier with the leaf (norms.apart): no broadcast of these scalars is shared
+    # with the reductions of other leaves of this shape.
+    g, v, inv_width, nu_weight, floor = norms.apart(g, v, inv_width, nu_weight, floor)
     wide = _cast(g, norms.acc_dtype(g.dtype))
     dtype = wide.dtype
     return jax.lax.sub(jax.lax.square(jax.lax.mul(wide, _cast(inv_width, dtype))),
@@ -186,7 +185,7 @@ def _clip_fraction(updates: Any, nu: Any, excess: Limit, active: jax.Array,
     def hits(g, v):
         wide = _cast(g, norms.acc_dtype(g.dtype))
         # The zero through a barrier with the leaf, as in _squared_excess.
-        wide, zero = jax.lax.optimization_barrier((wide, np.zeros((), wide.dtype)))
+        wide, zero = norms.apart(wide, np.zeros((), wide.dtype))
         return _cast(jax.lax.add(jax.lax.sign(jax.lax.max(excess(g, v), zero)),
                                  stats_lib.nan_marks(wide)), jnp.float32)
 
@@ -555,9 +554,9 @@ def _update_rms(updates: Any, nu: Any, b2: float, correction: jax.Array, eps: fl
         # shared by every leaf compiled to results differing from these in the last bit.
         wide = norms.acc_dtype(g.dtype)
         # The scalars through a barrier with the leaf, as in _squared_excess.
-        g, v, b2_, rest, root_c, eps_ = jax.lax.optimization_barrier(
-            (g, v, np.asarray(b2, wide), np.asarray(1 - b2, wide),
-             _cast(jax.lax.sqrt(correction), wide), np.asarray(eps, wide)))
+        g, v, b2_, rest, root_c, eps_ = norms.apart(
+            g, v, np.asarray(b2, wide), np.asarray(1 - b2, wide),
+            _cast(jax.lax.sqrt(correction), wide), np.asarray(eps, wide))
         x = _cast(g, wide)
         v_new = jax.lax.add(jax.lax.mul(b2_, _cast(v, wide)), jax.lax.mul(rest, jax.lax.square(x)))
         root = jax.lax.div(norms.safe_sqrt(v_new), root_c)

@@ -258,7 +258,7 @@ def test_transformation_with_extra_args_forwards_them_and_keeps_the_tree_contrac
 def test_all_finite_on_per_leaf_scalars_and_grouped_leaves(group, monkeypatch):
     monkeypatch.setattr(norms, "_may_group", lambda: group)
     small = [jnp.ones((3, 4)) * i for i in range(40)]
-    big = jnp.ones((norms._GROUP_MAX_ELEMENTS + 1,))
+    big = jnp.ones((norms.GROUP_MAX_ELEMENTS + 1,))
     clean = {"small": small, "big": big, "scalars": [jnp.array(1.0), jnp.ones((1, 1))],
              "int": jnp.array([1, 2]), "bf16": jnp.ones(3, jnp.bfloat16), "empty": jnp.zeros(0)}
     check = jax.jit(lambda t: optclip._core.stats.all_finite(t))    # traced afresh per case

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 
+from optclip._core import norms
 from tests.hlo import LARGE, RECORDED_JAXLIB, TREE, Traffic, extra_passes, recorded_xla, traffic
 from tests.registry import ALL_ENTRIES, Entry
 
@@ -129,6 +130,19 @@ def test_measure_sees_shared_constants():
     base = traffic(optax.adam(1e-3), TREE).passes
     assert traffic(optax.chain(minus_self, optax.adam(1e-3)), TREE).passes - base == LARGE
     assert traffic(optax.chain(times_zero, optax.adam(1e-3)), TREE).passes - base > LARGE
+
+
+def test_apart_keeps_each_reduction_to_one_read():
+    """The core's barrier helper: the same ``sum(g * 0)``, with the zero passed through
+    ``norms.apart`` together with its leaf, shares no constant, and each reduction reads its
+    leaf once (as ``g - g`` does)."""
+    def apart_zero(g):
+        g, zero = norms.apart(g, jnp.zeros((), g.dtype))
+        return g * zero
+
+    base = traffic(optax.adam(1e-3), TREE).passes
+    chained = optax.chain(_finiteness_scaled(apart_zero), optax.adam(1e-3))
+    assert traffic(chained, TREE).passes - base == LARGE
 
 
 @pytest.mark.parametrize("entry", ALL_ENTRIES, ids=str)

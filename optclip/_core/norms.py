@@ -463,7 +463,7 @@ def leaf_l2_norms(leaves: list[jax.Array] | Callable[[], list[jax.Array]],
 _GROUP_SIZE = 32
 # Only leaves up to this many elements are grouped: trees with thousands of leaves are mostly
 # small leaves (compile time), while a variadic reduce over large leaves ran ~8% slower on CPU.
-_GROUP_MAX_ELEMENTS = 1 << 16
+GROUP_MAX_ELEMENTS = 1 << 16
 _REDUCERS = {"sum": (jax.lax.add, 0.0), "max": (jax.lax.max, -math.inf),
              "min": (jax.lax.min, math.inf)}
 
@@ -526,7 +526,7 @@ def leaf_reductions(arrays: list[jax.Array], prepare: Callable[[jax.Array], Any]
         return results
     groups: dict[tuple, list[int]] = collections.defaultdict(list)
     for i, p in enumerate(parts):
-        key = (p[0].shape, p[0].dtype) if p[0].size <= _GROUP_MAX_ELEMENTS else i
+        key = (p[0].shape, p[0].dtype) if p[0].size <= GROUP_MAX_ELEMENTS else i
         groups[key].append(i)
     for members in groups.values():
         for start in range(0, len(members), _GROUP_SIZE):
@@ -542,6 +542,23 @@ def float_leaves(tree: Any) -> list[jax.Array]:
     first turns such leaves into 0-d arrays (``checks.transformation``), which then count.
     """
     return [x for x in jax.tree.leaves(tree) if is_float(x)]
+
+
+def apart(*values: Any) -> Any:
+    """``values`` (arrays or pytrees; one value alone is returned as itself) behind one
+    ``lax.optimization_barrier``: XLA shares no subexpression, not even a broadcast constant,
+    between what is computed from them and the rest of the step.
+
+    XLA:CPU runs a reduction in one kernel that reads each input once only when every
+    intermediate it needs is used by that reduction alone; an intermediate shared with another
+    computation (a scalar's broadcast the size of the leaf, read by the reductions of all
+    same-shape leaves, or ``g - mean`` read by a reduction and by the output) is first written
+    out as an array and read back. Passing the leaf and the scalars of one reduction through a
+    barrier together keeps that reduction to one read of the leaf. Bit-identical: the barrier
+    changes no value. Inside ``shard_map`` call it per leaf: a joint barrier over several leaves
+    would mark each as varying over the mesh axes of any of them.
+    """
+    return jax.lax.optimization_barrier(values if len(values) > 1 else values[0])
 
 
 def gather_scalars(partials: list[jax.Array]) -> jax.Array:

@@ -593,10 +593,9 @@ def excess(x: jax.Array, low: Any, high: Any) -> jax.Array:
     XLA:CPU fuses into a single read (a comparison would write a mask out first). Under
     flush-to-zero, a difference from a bound below ``2**-126`` counts as none, as it does for
     the clamp itself."""
-    # The bounds and the zero pass through a barrier with the leaf: XLA then shares none of
-    # them (as a leaf-sized broadcast, written out) with the sums of other leaves of its shape.
+    # The bounds and the zero pass through a barrier with the leaf (norms.apart).
     bounds = [None if b is None else jnp.asarray(b).astype(x.dtype) for b in (low, high)]
-    x, (low, high), zero = jax.lax.optimization_barrier((x, bounds, jnp.zeros((), x.dtype)))
+    x, (low, high), zero = norms.apart(x, bounds, jnp.zeros((), x.dtype))
     terms = stats.nan_marks(x)
     if high is not None:
         terms = terms + jnp.maximum(x - high, zero)
