@@ -8,7 +8,7 @@ whatever device JAX uses:
    read pass for the norm, one in-place scale pass) on a GPT-2-small-shaped gradient tree (124M
    float32 parameters in 148 leaves, buffers donated), and the same inside ``chain(clip, adam)``;
    and the compile ratio of each inside ``chain(clip, adam)`` at every leaf count: the
-   streaming baseline's is what any transform that reduces its leaves adds at least.
+   streaming baseline's is that of the simplest reduction a transform can add.
 2. For every public transform, in a default construction as a new user would write it:
 
    * compile ratio: ``jit(chain(T, adam).update)`` lowered and compiled (up to 256 leaves the
@@ -279,10 +279,9 @@ def global_norm_comparison(params, grads, rounds: int, steps: int) -> dict:
 def compile_reference(leaf_counts: list[int], all_up_to: int) -> dict:
     """Compile ratio over adam of three global-norm clippers chained with adam, per leaf count.
 
-    The streaming baseline is the least a transform that reduces every leaf can add to adam's
-    compile: one plain sum of squares per leaf, summed, and one scale (not scale-safe, no
-    statistics). Its ratio is the reference for the compile targets of every transform that
-    reduces the leaves.
+    The streaming baseline is the simplest reduction a transform can add to adam: one plain
+    sum of squares per leaf, summed, and one scale (not scale-safe, no statistics). Its ratio
+    is the reference for the compile targets of the transforms that reduce the leaves.
     """
     contenders = {
         "streaming baseline": lambda: streaming_clip(1.0),
@@ -456,10 +455,10 @@ def render_markdown(results: dict) -> str:
         "  `tests/test_step_traffic.py` holds every transform to its count.",
         "* **state B/B**: bytes of the transform's own state per byte of parameters.",
         "* `*`: a step slower than --slow-step seconds, timed once (no rounds).",
-        "* **noise**: on a 2-core machine, two runs an hour apart have moved single figures by",
-        "  up to ±30% (compile at 32 leaves, steps of the slowest transforms) and ±40% (compile",
-        "  at 256 leaves of a transform whose code had not changed), when each compile was",
-        "  timed once; the fastest of two narrows that. Read a figure against its",
+        "* **noise**: on a 2-core machine, two runs of the same code have moved single figures",
+        "  by up to ±40% (compile at 32 and 256 leaves, each compile timed once; the fastest",
+        "  of two narrows that) and, for the steps of the slowest transforms (several times",
+        "  adam's), by up to 70%. The passes column is exact. Read a figure against its",
         "  neighbours and the floor, and compare code versions in one process (`--only`).",
         "",
         "| " + " | ".join(header) + " |",
@@ -496,10 +495,11 @@ def render_markdown(results: dict) -> str:
             "## What a reduction costs to compile",
             "",
             "Compile ×adam (as in the table above) of `chain(clip, adam)` for three global-norm",
-            "clippers. The streaming baseline is the least a transform that reduces every leaf",
-            "adds to adam's compile on XLA:CPU: one plain sum of squares per leaf, one scale, no",
-            "scale safety and no statistics. Every transform that reduces its leaves (norms,",
-            "statistics, projections) starts from this figure.",
+            "clippers. The streaming baseline is the simplest reduction a transform can add:",
+            "`jnp.sum(g * g)` per leaf, one total, one scale; no scale safety and no statistics.",
+            "A transform that reduces its leaves (norms, statistics, projections) adds at least",
+            "one reduction kernel per leaf (or per group of same-shape leaves) to adam's",
+            "elementwise kernels, which is what this figure measures.",
             "",
             "| contender | " + " | ".join(f"compile ×adam @{n}" for n in counts) + " |",
             "|---|" + "---:|" * len(counts),
