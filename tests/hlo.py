@@ -141,6 +141,25 @@ def traffic(tx: optax.GradientTransformation, tree) -> Traffic:
     return _traffic_of(entry, bodies, size)
 
 
+def loop_writes(tx: optax.GradientTransformation, tree) -> list[str]:
+    """The element types of the parameter-sized arrays that the kernels inside the ``while``
+    loops of ``jit(tx.update)``'s step write (once per loop body, not per iteration), e.g.
+    ``['bf16', 'bf16']``."""
+    size = max(x.size for x in jax.tree.leaves(tree))
+    state = jax.eval_shape(tx.init, tree)
+    text = jax.jit(tx.update, donate_argnums=(0, 1)).lower(tree, state, tree).compile().as_text()
+    bodies, _ = _computations(text)
+    loops = [_CALLS.search(m.group(5) or "").group(1) for line in text.splitlines()
+             if (m := _INSTRUCTION.match(line)) and m.group(3) == "while"]
+    written = []
+    for body in loops:
+        for line in bodies[body]:
+            match = _INSTRUCTION.match(line)
+            if match and match.group(3) not in _FREE and _large_arrays(match.group(2), size):
+                written += re.findall(r"\b([a-z]+\d*)\[", match.group(2))
+    return written
+
+
 def extra_passes(tx: optax.GradientTransformation, base: optax.GradientTransformation) -> float:
     """Passes per large leaf of :data:`TREE` that ``tx``'s step makes beyond ``base``'s."""
     return (traffic(tx, TREE).passes - traffic(base, TREE).passes) / LARGE

@@ -23,7 +23,9 @@ import jax.numpy as jnp
 import optax
 import pytest
 
+import optclip
 from optclip._core import norms
+from tests import hlo
 from tests.hlo import LARGE, RECORDED_JAXLIB, TREE, Traffic, extra_passes, recorded_xla, traffic
 from tests.registry import ALL_ENTRIES, Entry
 
@@ -154,3 +156,11 @@ def test_step_passes_match_budget(entry):
         + ("a pass was added (a re-read of the gradients? a temporary the size of the "
            "parameters?)" if extra > BUDGET[entry.name] else "a pass was saved: lower the "
            "budget"))
+
+
+def test_ranking_rounds_write_two_byte_flags():
+    """XLA:CPU writes the comparison of every bisection round out before it counts it
+    (``top_q``'s budget): the rounds write it as bfloat16 flags, half the bytes of float32, and
+    nothing else the size of the parameters."""
+    written = hlo.loop_writes(optax.chain(optclip.top_q(0.9), optax.adam(1e-3)), TREE)
+    assert written and set(written) == {"bf16"}, written

@@ -335,8 +335,16 @@ def magnitude_bits(g: jax.Array) -> jax.Array:
 
 def _row_count(flags: jax.Array) -> jax.Array:
     """How many ``flags`` are set along the last axis (keepdims): summed in float32 (exact up to
-    2**24, and XLA:CPU adds floats about twice as fast as integers), int32 for longer rows."""
-    return jnp.sum(flags, axis=-1, keepdims=True, dtype=_count_dtype(flags.shape[-1]))
+    2**24, and XLA:CPU adds floats about twice as fast as integers), int32 for longer rows.
+
+    The float sum takes the flags as bfloat16 (0 and 1 exactly; the sum is still float32):
+    XLA:CPU writes the flags out for its reduction kernel, and at half the bytes of float32
+    a count takes about 0.6x the time (measured on a 2-core CPU).
+    """
+    dtype = _count_dtype(flags.shape[-1])
+    if dtype == jnp.float32:
+        flags = flags.astype(jnp.bfloat16)
+    return jnp.sum(flags, axis=-1, keepdims=True, dtype=dtype)
 
 
 def _count_dtype(size: int) -> jnp.dtype:
