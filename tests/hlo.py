@@ -141,13 +141,10 @@ def traffic(tx: optax.GradientTransformation, tree) -> Traffic:
     return _traffic_of(entry, bodies, size)
 
 
-def loop_writes(tx: optax.GradientTransformation, tree) -> list[str]:
-    """The element types of the parameter-sized arrays that the kernels inside the ``while``
-    loops of ``jit(tx.update)``'s step write (once per loop body, not per iteration), e.g.
-    ``['bf16', 'bf16']``."""
-    size = max(x.size for x in jax.tree.leaves(tree))
-    state = jax.eval_shape(tx.init, tree)
-    text = jax.jit(tx.update, donate_argnums=(0, 1)).lower(tree, state, tree).compile().as_text()
+def loop_writes(text: str, size: int) -> list[str]:
+    """The element types of the arrays of at least ``size`` elements that the kernels inside
+    the ``while`` loops of the optimized HLO ``text`` write (once per loop body, not per
+    iteration), e.g. ``['bf16', 'bf16']``."""
     bodies, _ = _computations(text)
     loops = [_CALLS.search(m.group(5) or "").group(1) for line in text.splitlines()
              if (m := _INSTRUCTION.match(line)) and m.group(3) == "while"]

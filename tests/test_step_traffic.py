@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import optclip
 from optclip._core import norms
@@ -161,6 +162,20 @@ def test_step_passes_match_budget(entry):
 def test_ranking_rounds_write_two_byte_flags():
     """XLA:CPU writes the comparison of every bisection round out before it counts it
     (``top_q``'s budget): the rounds write it as bfloat16 flags, half the bytes of float32, and
-    nothing else the size of the parameters."""
-    written = hlo.loop_writes(optax.chain(optclip.top_q(0.9), optax.adam(1e-3)), TREE)
+    nothing else the size of the parameters; also inside ``shard_map``, where each device
+    counts its block of the slice."""
+    tx = optax.chain(optclip.top_q(0.9), optax.adam(1e-3))
+    state = jax.eval_shape(tx.init, TREE)
+    text = jax.jit(tx.update, donate_argnums=(0, 1)).lower(TREE, state, TREE).compile().as_text()
+    written = hlo.loop_writes(text, TREE["w"].size)
+    assert written and set(written) == {"bf16"}, written
+
+    mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:2])
+    split = optclip.top_q(0.9, param_ndim=None, axis_name="x")
+    mapped = jax.shard_map(lambda g: split.update(g, split.init(g))[0], mesh=mesh,
+                           in_specs=(P("x"),), out_specs=P("x"))
+    block = jax.ShapeDtypeStruct((512, 512), jnp.float32)
+    text = jax.jit(mapped).lower(block).compile().as_text()
+    written = hlo.loop_writes(text, 256 * 512)
     assert written and set(written) == {"bf16"}, written

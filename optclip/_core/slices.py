@@ -393,8 +393,15 @@ def keep_top_k(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array,
 
 
 def _count(flags: jax.Array, axes: tuple[int, ...], split: tuple[str, ...]) -> jax.Array:
-    """Per slice (keepdims), how many ``flags`` are set on all devices along ``split``."""
-    return norms.across(jnp.sum(flags, axis=axes, keepdims=True, dtype=jnp.int32), "sum", split)
+    """Per slice (keepdims), how many ``flags`` are set on all devices along ``split``: each
+    device's count as :func:`_row_count` takes it (bfloat16 flags, a float32 sum, for blocks
+    of up to 2**24 entries), added across devices as int32."""
+    size = math.prod(flags.shape[a] for a in axes)
+    dtype = _count_dtype(size)
+    if dtype == jnp.float32:
+        flags = flags.astype(jnp.bfloat16)
+    local = jnp.sum(flags, axis=axes, keepdims=True, dtype=dtype).astype(jnp.int32)
+    return norms.across(local, "sum", split)
 
 
 def split_top_k(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array,
