@@ -68,7 +68,8 @@ BUDGET = {
     "clip_value_by_ema": 11,
     "clip_value_growth": 13,
     # Per-row ranking: a bisection on the bits of |g| (31 rounds, each reads the bits and
-    # writes and reads the comparison: XLA:CPU does not fuse a comparison into a reduction),
+    # writes and reads the comparison: XLA:CPU does not fuse a comparison into a reduction;
+    # the comparison is bfloat16 flags, half a float32 pass each, counted here as whole ones),
     # and the second bisection, on the index, that only rows with too many ties need.
     "top_q": 98,
     "l1q_normalize": 101,
