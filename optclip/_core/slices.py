@@ -334,17 +334,22 @@ def magnitude_bits(g: jax.Array) -> jax.Array:
 
 
 def _row_count(flags: jax.Array) -> jax.Array:
-    """How many ``flags`` are set along the last axis (keepdims): summed in float32 (exact up to
-    2**24, and XLA:CPU adds floats about twice as fast as integers), int32 for longer rows.
+    """How many ``flags`` are set along the last axis (keepdims): :func:`_local_count`."""
+    return _local_count(flags, (flags.ndim - 1,))
+
+
+def _local_count(flags: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+    """How many ``flags`` are set over ``axes`` (keepdims): summed in float32 (exact up to
+    2**24, and XLA:CPU adds floats about twice as fast as integers), int32 for larger slices.
 
     The float sum takes the flags as bfloat16 (0 and 1 exactly; the sum is still float32):
     XLA:CPU writes the flags out for its reduction kernel, and at half the bytes of float32
     a count takes about 0.6x the time (measured on a 2-core CPU).
     """
-    dtype = _count_dtype(flags.shape[-1])
+    dtype = _count_dtype(math.prod(flags.shape[a] for a in axes))
     if dtype == jnp.float32:
         flags = flags.astype(jnp.bfloat16)
-    return jnp.sum(flags, axis=-1, keepdims=True, dtype=dtype)
+    return jnp.sum(flags, axis=axes, keepdims=True, dtype=dtype)
 
 
 def _count_dtype(size: int) -> jnp.dtype:
@@ -394,14 +399,8 @@ def keep_top_k(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array,
 
 def _count(flags: jax.Array, axes: tuple[int, ...], split: tuple[str, ...]) -> jax.Array:
     """Per slice (keepdims), how many ``flags`` are set on all devices along ``split``: each
-    device's count as :func:`_row_count` takes it (bfloat16 flags, a float32 sum, for blocks
-    of up to 2**24 entries), added across devices as int32."""
-    size = math.prod(flags.shape[a] for a in axes)
-    dtype = _count_dtype(size)
-    if dtype == jnp.float32:
-        flags = flags.astype(jnp.bfloat16)
-    local = jnp.sum(flags, axis=axes, keepdims=True, dtype=dtype).astype(jnp.int32)
-    return norms.across(local, "sum", split)
+    device's :func:`_local_count`, added across devices as int32."""
+    return norms.across(_local_count(flags, axes).astype(jnp.int32), "sum", split)
 
 
 def split_top_k(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array,
