@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import numbers
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -137,17 +138,25 @@ def _restart_weight(first: jax.Array, dtype) -> jax.Array:
     return jnp.where(first, 0, 1).astype(dtype)
 
 
-def _moved(x: jax.Array, e: jax.Array, keep: jax.Array, beta: Any, ema_init: str) -> jax.Array:
+def _moved(x: jax.Array, e: jax.Array, keep: jax.Array, beta: Any, ema_init: str,
+           apart: bool = False) -> jax.Array:
     """The EMA leaf moved toward ``x`` (the update, or its magnitude), restarted on the first
     step at 0 (``'zeros'``) or at ``x`` (``'update'``); ``keep`` is :func:`_restart_weight`.
 
     The restart is a scalar weight (``e`` and ``x`` are finite wherever the result is kept, so
     a term times 0 is 0), not an elementwise select: XLA:CPU then fuses the whole expression
-    into each reduction that reads it instead of writing it out first.
+    into each reduction that reads it instead of writing it out first. With ``apart`` the
+    inputs and the weights pass one barrier (``norms.apart``), for a reduction: XLA then shares
+    no broadcast of a weight between the reductions of leaves of one shape (it would write the
+    broadcast out as an array for them to read).
     """
+    weight = _ema_weight(beta, e.dtype)
+    value = jnp.asarray(weight, e.dtype)
+    if apart:
+        x, e, keep, value = norms.apart(x, e, keep, value)
     x = x.astype(e.dtype)
     start = e * keep + (x * (1 - keep) if ema_init == "update" else 0)
-    return running.lerp(start, x, _ema_weight(beta, start.dtype))
+    return running.lerp(start, x, weight, value if isinstance(weight, numbers.Real) else None)
 
 
 def _decide(a, b, r_prev, first, growth, eps, divisor_rule) -> _Step:
@@ -217,28 +226,46 @@ def _norm_by_ema(divisor_rule, state_cls, beta, ord, eps, tensorwise, max_ema_gr
 
         keep = {dtype: _restart_weight(first, dtype)
                 for dtype in {jnp.dtype(old[i].dtype) for i in floats}}
-        moved: dict[int, jax.Array] = {}
 
-        def move(i):
-            """Leaf ``i``'s moved EMA, traced once (measured, then committed)."""
-            if i not in moved:
-                moved[i] = _moved(leaves[i], old[i], keep[jnp.dtype(old[i].dtype)], beta,
-                                  ema_init)
-            return moved[i]
+        def move(i, measured=True):
+            """Leaf ``i``'s moved EMA, traced anew at each call: its norm, the norm's rare
+            rescue branch and the commit's branch each compute it where they read it, so XLA
+            never writes it out as an array (a branch would otherwise take it as an operand).
+            Where it is ``measured`` its inputs pass a barrier together (``norms.apart``): the
+            restart weight's broadcast is then not shared with the reductions of other leaves of
+            this shape, which would write it out."""
+            return _moved(leaves[i], old[i], keep[jnp.dtype(old[i].dtype)], beta, ema_init,
+                          apart=measured)
 
         rule = _Rule(first, growth, divisor_rule, ord, eps, axis_name)
         if tensorwise:
             ok, rows, fields = _leafwise(leaves, old, floats, move, state, treedef, rule)
         else:
             ok, rows, fields = _whole(leaves, floats, move, state, rule)
-        outputs, ema = list(leaves), [None] * len(leaves)
-        for i in floats:
-            out_factor, ema_factor = rows[i]
+        outputs, ema = list(leaves), list(old)
+        out_factors = [rows[i][0] for i in floats]
+
+        def commit():
+            # The EMA moved again inside the branch (not the measured trace): XLA moves,
+            # rescales and writes it in place in one pass over the update and the old EMA. The
+            # output factors leave through a select on the predicate (the same values): passed
+            # through by both branches, XLA would take them from the operands instead.
+            return ([move(i, measured=False) * rows[i][1].astype(old[i].dtype) for i in floats],
+                    [jax.lax.select(ok, f, jnp.full_like(f, jnp.nan)) for f in out_factors])
+
+        def hold():
+            return [old[i] for i in floats], out_factors
+
+        # One lax.cond on the step's finiteness commits every EMA leaf (a held step hands the
+        # old EMA back untouched). The output factors leave through it, so the outputs (and
+        # the optimizer after this transform) are computed after the commit has read the
+        # updates: XLA then writes them over the donated updates without copying them first.
+        committed, out_factors = stats_lib.run_or_hold(ok, commit, hold)
+        for i, e, out_factor in zip(floats, committed, out_factors):
             # Products, not quotients: XLA:CPU fuses a product into each pass that reads it,
             # where it would write a quotient out first (it never copies a division).
             outputs[i] = norms.scale(leaves[i], out_factor)
-            # The EMA is moved, rescaled and committed in the one pass that writes it.
-            ema[i] = jax.lax.select(ok, move(i) * ema_factor.astype(old[i].dtype), old[i])
+            ema[i] = e
         new = state._replace(count=jnp.where(ok, optax.safe_increment(state.count), state.count),
                              ema=treedef.unflatten(ema),
                              nonfinite=stats_lib.count_nonfinite(state.nonfinite, ok), **fields)
@@ -264,7 +291,7 @@ def _whole(leaves, floats, move, state, rule: _Rule):
     xs = [leaves[i] for i in floats]
     norm, step, finite = _group_step(
         xs, norms.global_norm(xs, rule.ord, rule.axis_name),
-        norms.global_norm([move(i) for i in floats], rule.ord, rule.axis_name),
+        norms.global_norm(lambda: [move(i) for i in floats], rule.ord, rule.axis_name),
         state.ema_norm, rule.first, rule.growth, rule.divisor_rule, rule.ord, rule.eps,
         rule.axis_name)
     ok = norms.all_true(finite, rule.axis_name) if floats else jnp.asarray(True)
@@ -321,7 +348,7 @@ def _decide_group(leaves, idx, move, state, treedef, rule: _Rule):
     measurable = np.array([norms.metric_defined(rule.ord, x.size * norms.axes_size(axes))
                            for x, axes in zip(xs, split)])
 
-    a, b = _leaf_metrics(xs, [move(i) for i in idx], rule)
+    a, b = _leaf_metrics(xs, lambda j: move(idx[j]), rule)
     a, b = a.astype(dtype), b.astype(dtype)
     if not measurable.all():
         a, b = jnp.where(measurable, a, 0), jnp.where(measurable, b, 0)
@@ -336,12 +363,13 @@ def _decide_group(leaves, idx, move, state, treedef, rule: _Rule):
     return a, step, flags
 
 
-def _leaf_metrics(xs: list[jax.Array], ms: list[jax.Array], rule: _Rule
+def _leaf_metrics(xs: list[jax.Array], moved_at: Callable[[int], jax.Array], rule: _Rule
                   ) -> tuple[jax.Array, jax.Array]:
-    """The metric (``norms.leaf_norm``) of each update ``xs`` and of each moved EMA ``ms``, as
-    two vectors."""
+    """The metric (``norms.leaf_norm``) of each update ``xs`` and of each moved EMA
+    (``moved_at(j)`` traces that of ``xs[j]``), as two vectors."""
     if rule.ord == 2.0:
-        return _leaf_l2_norms(xs, ms, rule.axis_name)
+        return _leaf_l2_norms(xs, moved_at, rule.axis_name)
+    ms = [moved_at(j) for j in range(len(xs))]
     if rule.ord == "std":
         both = _leaf_stds(xs, rule.axis_name) + _leaf_stds(ms, rule.axis_name)
     else:
@@ -350,10 +378,12 @@ def _leaf_metrics(xs: list[jax.Array], ms: list[jax.Array], rule: _Rule
     return both[:len(xs)], both[len(xs):]
 
 
-def _leaf_l2_norms(xs: list[jax.Array], ms: list[jax.Array], axis_name: AxisName
-                   ) -> tuple[jax.Array, jax.Array]:
-    """``norms.leaf_l2_norms(xs + ms, vector=True)`` as two vectors, the same values from
-    fewer passes.
+def _leaf_l2_norms(xs: list[jax.Array], moved_at: Callable[[int], jax.Array],
+                   axis_name: AxisName) -> tuple[jax.Array, jax.Array]:
+    """``norms.leaf_l2_norms(xs + ms, vector=True)`` as two vectors (``ms[j] = moved_at(j)``,
+    traced again inside the rescue branch of an overflowed sum: XLA then reads the update and
+    the old EMA there instead of keeping the moved EMA for it), the same values from fewer
+    passes.
 
     Leaves that are reduced alone whatever their neighbours (larger than the same-shape groups
     of ``norms.leaf_reductions``) are measured by one call for the updates and one for the
@@ -366,12 +396,13 @@ def _leaf_l2_norms(xs: list[jax.Array], ms: list[jax.Array], axis_name: AxisName
     grouped = [j for j, x in enumerate(xs) if x.size <= norms.GROUP_MAX_ELEMENTS]
     parts = []
     if grouped:
-        both = norms.leaf_l2_norms([xs[j] for j in grouped] + [ms[j] for j in grouped],
-                                   axis_name, vector=True)
+        both = norms.leaf_l2_norms(lambda: [xs[j] for j in grouped]
+                                   + [moved_at(j) for j in grouped], axis_name, vector=True)
         parts.append((both[:len(grouped)], both[len(grouped):]))
     if alone:
-        parts.append(tuple(norms.leaf_l2_norms([v[j] for j in alone], axis_name, vector=True)
-                           for v in (xs, ms)))
+        parts.append((norms.leaf_l2_norms([xs[j] for j in alone], axis_name, vector=True),
+                      norms.leaf_l2_norms(lambda: [moved_at(j) for j in alone], axis_name,
+                                          vector=True)))
     if len(parts) == 1:
         return parts[0]
     order = np.argsort(grouped + alone)

@@ -439,17 +439,44 @@ def test_leaf_norms_equal_the_core_metric_bit_for_bit(ord):
     tx = optclip.clip_norm_by_ema(beta=0.5, ord=ord, max_ema_growth=None)
     metric = jax.jit(lambda t: jax.tree.map(lambda x: norms.leaf_norm(x, norms.canonical_ord(
         ord)), t))
+    update = jax.jit(tx.update)
     for scale in (1.0, 1e25):
+        trees = [{k: jnp.asarray(rng.standard_normal(s) * scale, jnp.float32)
+                  for k, s in shapes.items()} for _ in range(2)]
+        state = tx.init(trees[0])
+        for step, tree in enumerate(trees):
+            _, state = update(tree, state)
+            # No growth cap: the stored EMA is the moved one (on the first step, from zeros).
+            for name, want in (("norm", metric(tree)), ("ema_norm", metric(state.ema))):
+                got = getattr(state, name)
+                for k in shapes:
+                    assert np.isfinite(float(want[k])), (name, k)
+                    np.testing.assert_array_equal(
+                        np.asarray(got[k]), np.asarray(want[k]),
+                        err_msg=f"{name}[{k}] at scale {scale}, step {step}")
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e25])
+def test_global_norms_equal_the_core_metric_bit_for_bit(scale):
+    """``tensorwise=False``: the norm of all updates and of the whole moved EMA are the core
+    global metric's, bit for bit, on leaves reduced alone (> 2**16 elements) and a small one,
+    on two steps, also where the plain sums of squares overflow (1e25 in float32)."""
+    from optclip._core import norms
+
+    rng = np.random.default_rng(4)
+    shapes = {"alone": (260, 256), "alone2": (260, 256), "small": (5, 3)}
+    tx = optclip.normalize_by_ema(beta=0.5, tensorwise=False, max_ema_growth=None)
+    metric = jax.jit(norms.global_norm)
+    update = jax.jit(tx.update)
+    state = tx.init({k: jnp.zeros(s, jnp.float32) for k, s in shapes.items()})
+    for step in range(2):
         tree = {k: jnp.asarray(rng.standard_normal(s) * scale, jnp.float32)
                 for k, s in shapes.items()}
-        _, state = jax.jit(tx.update)(tree, tx.init(tree))
-        # First step from zeros: the stored EMA is the moved one (no growth cap).
+        _, state = update(tree, state)
         for name, want in (("norm", metric(tree)), ("ema_norm", metric(state.ema))):
-            got = getattr(state, name)
-            for k in shapes:
-                assert np.isfinite(float(want[k])), (name, k)
-                np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]),
-                                              err_msg=f"{name}[{k}] at scale {scale}")
+            assert np.isfinite(float(want)), name
+            np.testing.assert_array_equal(np.asarray(getattr(state, name)), np.asarray(want),
+                                          err_msg=f"{name} at step {step}")
 
 
 def test_traced_hyperparameters_with_inject_hyperparams():

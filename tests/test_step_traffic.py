@@ -62,9 +62,11 @@ BUDGET = {
     "l1_normalize": 1,
     "l2_normalize": 1,
     # Per-element state (an EMA, the previous update): floor 2 (one read, one write) + one read
-    # per statistic.
+    # per statistic. The EMA pair: the update's norm (1), the moved EMA's norm read from the
+    # update and the old EMA (2), the commit (2 reads, 1 write); with ord="std" (the registry's
+    # clip_norm_by_ema) the moved EMA, read by two reductions, is written out first.
     "clip_norm_by_ema": 10,
-    "normalize_by_ema": 8,
+    "normalize_by_ema": 6,
     "clip_value_by_ema": 11,
     "clip_value_growth": 13,
     # Per-row ranking: a bisection on the bits of |g| (31 rounds, each reads the bits and
@@ -180,3 +182,16 @@ def test_ranking_rounds_write_two_byte_flags():
     text = jax.jit(mapped).lower(block).compile().as_text()
     written = hlo.loop_writes(text, 256 * 512)
     assert written and set(written) == {"bf16"}, written
+
+
+@pytest.mark.parametrize("make", [optclip.clip_norm_by_ema,
+                                  lambda: optclip.normalize_by_ema(tensorwise=False)],
+                         ids=["per-leaf", "global"])
+def test_ema_pair_writes_only_the_committed_ema(make):
+    """The EMA-referenced norm clippers (order 2) measure the moved EMA from the update and the
+    old EMA without writing it out, and commit it in place: beyond adam's, each large leaf is
+    read 5 times (the update's norm, the moved EMA's norm from both, the commit from both) and
+    written once (the committed EMA). No temporary, and no copy of the donated updates."""
+    base = traffic(optax.adam(1e-3), TREE)
+    assert traffic(optax.chain(make(), optax.adam(1e-3)), TREE) == base + Traffic(
+        reads=5 * LARGE, writes=LARGE)

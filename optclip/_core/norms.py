@@ -635,12 +635,15 @@ def global_norm(tree: Any, ord: float | str = 2.0, axis_name: AxisName = None) -
     overflowed (small leaves give both in one variadic reduce; large leaves are read a second
     time only on such a step, under one scalar ``lax.cond``); other orders that can overflow
     are recomputed from the leaves divided by the largest magnitude (:func:`overflow_safe`).
-    The common case reads the leaves once.
+    The common case reads the leaves once. ``tree`` may be a function building the leaves
+    (called again inside that branch, so that leaves computed from others are recomputed there
+    rather than kept for it).
     """
-    leaves = float_leaves(tree)
+    build = (lambda: float_leaves(tree())) if callable(tree) else None
+    leaves = build() if build else float_leaves(tree)
     split = split_axes(leaves, axis_name)
     if ord == 2.0 and one_wide_dtype(leaves):
-        plain, scaled, lazy = _square_partials(leaves)
+        plain, scaled, lazy = _square_partials(leaves, build)
         total = tree_sum(plain, split)
         scaled_total = _when_overflowed(jnp.isinf(total), lambda: tree_sum(scaled(), split),
                                         total, lazy)
@@ -649,10 +652,11 @@ def global_norm(tree: Any, ord: float | str = 2.0, axis_name: AxisName = None) -
         return _plain_global_norm(leaves, ord, split)
 
     def rescaled():
-        peak = _combine(leaf_reductions(leaves, lambda x: jnp.abs(_wide(x)), "max"), jnp.max, 0.0,
+        again = build() if build else leaves
+        peak = _combine(leaf_reductions(again, lambda x: jnp.abs(_wide(x)), "max"), jnp.max, 0.0,
                         split, "max")
         peak = _safe_scale(peak)
-        return peak * _plain_global_norm(leaves, ord, split, peak)
+        return peak * _plain_global_norm(again, ord, split, peak)
 
     return overflow_safe(lambda: _plain_global_norm(leaves, ord, split), rescaled)
 

@@ -96,15 +96,18 @@ def apply_scale(updates: Any, factor: jax.Array, per_leaf: bool, old: dict[str, 
     return scaled, committed
 
 
-def lerp(start: jax.Array, end: jax.Array, weight: Any) -> jax.Array:
+def lerp(start: jax.Array, end: jax.Array, weight: Any, value: jax.Array | None = None
+         ) -> jax.Array:
     """``start + weight (end - start)`` as ``torch.lerp`` computes it.
 
     torch switches formulas at ``|weight| = 0.5`` (``end - (end - start) (1 - weight)`` above
     it); doing the same keeps results within an ulp of the references. A Python ``weight`` is
-    formed in double and cast once, and picks its formula while tracing.
+    formed in double and cast once, and picks its formula while tracing; ``value`` (optional,
+    for a Python ``weight``) is that cast weight as an array computed elsewhere (passed through
+    a barrier, so that XLA does not share its broadcast between reductions).
     """
     if isinstance(weight, numbers.Real):
-        w = jnp.asarray(weight, start.dtype)
+        w = jnp.asarray(weight, start.dtype) if value is None else value
         if abs(weight) < 0.5:
             return start + w * (end - start)
         return end - (end - start) * (1 - w)
