@@ -291,7 +291,8 @@ def _whole(leaves, floats, move, state, rule: _Rule):
     xs = [leaves[i] for i in floats]
     norm, step, finite = _group_step(
         xs, norms.global_norm(xs, rule.ord, rule.axis_name),
-        norms.global_norm(lambda: [move(i) for i in floats], rule.ord, rule.axis_name),
+        norms.global_norm([move(i) for i in floats], rule.ord, rule.axis_name,
+                          build=lambda: [move(i) for i in floats]),
         state.ema_norm, rule.first, rule.growth, rule.divisor_rule, rule.ord, rule.eps,
         rule.axis_name)
     ok = norms.all_true(finite, rule.axis_name) if floats else jnp.asarray(True)

@@ -624,7 +624,8 @@ def tree_sum(partials: list[jax.Array], split: list[tuple[str, ...]] | None = No
     return _combine(partials, jnp.sum, 0.0, split)
 
 
-def global_norm(tree: Any, ord: float | str = 2.0, axis_name: AxisName = None) -> jax.Array:
+def global_norm(tree: Any, ord: float | str = 2.0, axis_name: AxisName = None,
+                build: Callable[[], Any] | None = None) -> jax.Array:
     """Metric of all floating leaves of ``tree`` taken as one vector.
 
     Computed from per-leaf partial reductions combined as scalars. Unlike torchzero 0.4.4,
@@ -635,15 +636,15 @@ def global_norm(tree: Any, ord: float | str = 2.0, axis_name: AxisName = None) -
     overflowed (small leaves give both in one variadic reduce; large leaves are read a second
     time only on such a step, under one scalar ``lax.cond``); other orders that can overflow
     are recomputed from the leaves divided by the largest magnitude (:func:`overflow_safe`).
-    The common case reads the leaves once. ``tree`` may be a function building the leaves
-    (called again inside that branch, so that leaves computed from others are recomputed there
-    rather than kept for it).
+    The common case reads the leaves once. ``build`` (optional) returns ``tree`` again: it is
+    called inside that branch, so that leaves computed from others are recomputed there rather
+    than kept for it.
     """
-    build = (lambda: float_leaves(tree())) if callable(tree) else None
-    leaves = build() if build else float_leaves(tree)
+    leaves = float_leaves(tree)
+    rebuild = None if build is None else (lambda: float_leaves(build()))
     split = split_axes(leaves, axis_name)
     if ord == 2.0 and one_wide_dtype(leaves):
-        plain, scaled, lazy = _square_partials(leaves, build)
+        plain, scaled, lazy = _square_partials(leaves, rebuild)
         total = tree_sum(plain, split)
         scaled_total = _when_overflowed(jnp.isinf(total), lambda: tree_sum(scaled(), split),
                                         total, lazy)
@@ -652,7 +653,7 @@ def global_norm(tree: Any, ord: float | str = 2.0, axis_name: AxisName = None) -
         return _plain_global_norm(leaves, ord, split)
 
     def rescaled():
-        again = build() if build else leaves
+        again = leaves if rebuild is None else rebuild()
         peak = _combine(leaf_reductions(again, lambda x: jnp.abs(_wide(x)), "max"), jnp.max, 0.0,
                         split, "max")
         peak = _safe_scale(peak)
