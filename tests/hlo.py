@@ -141,13 +141,17 @@ def traffic(tx: optax.GradientTransformation, tree) -> Traffic:
     return _traffic_of(entry, bodies, size)
 
 
-def loop_writes(text: str, size: int) -> list[str]:
+def loop_writes(text: str, size: int, innermost: bool = False) -> list[str]:
     """The element types of the arrays of at least ``size`` elements that the kernels inside
     the ``while`` loops of the optimized HLO ``text`` write (once per loop body, not per
-    iteration), e.g. ``['bf16', 'bf16']``."""
+    iteration), e.g. ``['bf16', 'bf16']``; with ``innermost``, only in the loops whose body
+    holds no loop."""
     bodies, _ = _computations(text)
     loops = [_CALLS.search(m.group(5) or "").group(1) for line in text.splitlines()
              if (m := _INSTRUCTION.match(line)) and m.group(3) == "while"]
+    if innermost:
+        loops = [body for body in loops if not any(
+            (m := _INSTRUCTION.match(line)) and m.group(3) == "while" for line in bodies[body])]
     written = []
     for body in loops:
         for line in bodies[body]:

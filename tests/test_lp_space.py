@@ -1084,3 +1084,35 @@ def test_top_q_ranked_in_groups_matches_one_group(monkeypatch):
     grouped = tx.update(grads, tx.init(grads))[0]
     for name in grads:
         np.testing.assert_array_equal(grouped[name], joint[name])
+
+
+@pytest.mark.parametrize("dq", [0.0, 0.2], ids=["fixed_k", "drawn_k"])
+def test_top_q_ranked_by_blocks_of_rows_matches_the_oracle(monkeypatch, dq):
+    """With blocks of 12 entries, the (7, 5) leaf is ranked in 3 blocks of 2 rows, the last
+    overlapping the one before it, and the (2, 3, 4) leaf in 2 blocks of 3 rows; (2, 5)
+    has too few rows and is ranked with the vectors. Ties at the cut-off (the lowest
+    indices kept), a NaN and a zero row: the same outputs as one search over the whole leaf,
+    jitted and not, with a fixed and with a drawn count, and the oracle's."""
+    rng = np.random.default_rng(11)
+    grads = {"a": rng.normal(size=(7, 5)).astype(F32), "b": rng.normal(size=(3,)).astype(F32),
+             "c": rng.normal(size=(2, 3, 4)).astype(F32), "d": rng.normal(size=(2, 5)).astype(F32)}
+    grads["a"][6] = 2.0          # a tied row in the last, overlapping block
+    grads["a"][2, [0, 3]] = np.nan
+    grads["c"][1, 2] = 0.0
+    grads["c"][0, 1, 1:] = -3.0
+    tx = optclip.top_q(0.5, dq=dq, seed=3)
+    monkeypatch.setattr(slices_lib, "RANK_BLOCK_ENTRIES", 1 << 30)
+    whole = tx.update(grads, tx.init(grads))[0]
+    monkeypatch.setattr(slices_lib, "RANK_BLOCK_ENTRIES", 12)
+    assert [slices_lib._block_rows(jnp.zeros(s)) for s in [(7, 5), (2, 3, 4), (2, 5)]] == [
+        2, 3, 0]
+    state = tx.init(grads)
+    for update in (tx.update, jax.jit(tx.update)):
+        blocks = update(grads, state)[0]
+        for name in grads:
+            np.testing.assert_array_equal(blocks[name], whole[name], err_msg=name)
+    if dq == 0.0:
+        for name, g in grads.items():   # NaN ranks as the largest magnitude
+            want = oracle_top_q(np.where(np.isnan(g), np.inf, g), 0.5, -1)
+            want = np.where(np.isnan(g) & (want != 0), np.nan, want)
+            np.testing.assert_array_equal(blocks[name], want, err_msg=name)

@@ -25,7 +25,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import optclip
-from optclip._core import norms
+from optclip._core import norms, slices
 from tests import hlo
 from tests.hlo import LARGE, RECORDED_JAXLIB, TREE, Traffic, extra_passes, recorded_xla, traffic
 from tests.registry import ALL_ENTRIES, Entry
@@ -69,13 +69,13 @@ BUDGET = {
     "normalize_by_ema": 6,
     "clip_value_by_ema": 11,
     "clip_value_growth": 13,
-    # Per-row ranking: a bisection on the bits of |g| (31 rounds, each reads the bits and
-    # writes and reads the comparison: XLA:CPU does not fuse a comparison into a reduction;
-    # the comparison is bfloat16 flags, half a float32 pass each, counted here as whole ones),
-    # and the second bisection, on the index, that only rows with too many ties need.
-    "top_q": 98,
-    "l1q_normalize": 101,
-    "l1q_frank_wolfe": 101,
+    # Per-row ranking: a bisection on the bits of |g| (31 rounds), block of rows by block of
+    # rows, each block read from the cache in every round; the loop's operand is a copy of the
+    # donated gradients (a read and a write). Each block's read of that copy counts here as a
+    # whole pass (2 blocks of 128 rows: 2 counted, 1 made); and the finiteness check.
+    "top_q": 5,
+    "l1q_normalize": 8,
+    "l1q_frank_wolfe": 8,
     # Reading the parameters (floor 1, and 1 per statistic).
     "project_l2_ball": 4,
     "project_linf_ball": 4,
@@ -163,14 +163,18 @@ def test_step_passes_match_budget(entry):
 
 
 def test_ranking_rounds_write_two_byte_flags():
-    """XLA:CPU writes the comparison of every bisection round out before it counts it
-    (``top_q``'s budget): the rounds write it as bfloat16 flags, half the bytes of float32, and
-    nothing else the size of the parameters; also inside ``shard_map``, where each device
-    counts its block of the slice."""
+    """XLA:CPU writes the comparison of every bisection round out before it counts it: the
+    rounds write it as bfloat16 flags, half the bytes of float32, and nothing else; on a CPU
+    a block of rows at a time (the (256, 512) leaves in blocks of 128 rows: nothing the size
+    of a leaf in any loop; each block's loop writes the block's bits once, outside the rounds).
+    Also inside ``shard_map``, where each device counts its block of the slice."""
     tx = optax.chain(optclip.top_q(0.9), optax.adam(1e-3))
     state = jax.eval_shape(tx.init, TREE)
     text = jax.jit(tx.update, donate_argnums=(0, 1)).lower(TREE, state, TREE).compile().as_text()
-    written = hlo.loop_writes(text, TREE["w"].size)
+    rows = slices._block_rows(jnp.zeros(TREE["w"].shape))
+    assert rows == 128
+    assert not hlo.loop_writes(text, TREE["w"].size)
+    written = hlo.loop_writes(text, rows * TREE["w"].shape[1], innermost=True)
     assert written and set(written) == {"bf16"}, written
 
     mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
