@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import optclip
+from optclip._core import slices as slices_lib
 
 P = PartitionSpec
 
@@ -164,6 +165,29 @@ def test_global_clippers_exchange_only_scalars(make):
 
 
 # ---------------------------------------------------------------------------------------------
+def test_ranking_a_row_sharded_leaf_gathers_nothing(monkeypatch):
+    """top_q on a leaf whose rows jit splits over the 8 CPU devices: ranked as one search per
+    leaf, so each device ranks its own rows and only scalars are exchanged. With the loop over
+    blocks of rows that one CPU device uses (forced here) the leaf would be gathered."""
+    monkeypatch.setattr(slices_lib, "RANK_BLOCK_ENTRIES", 64)   # blocks of 8 rows of 8
+    mesh = _mesh((8,), ("d",), "auto")
+    g = jnp.asarray(np.random.default_rng(0).normal(size=(128, 8)), jnp.float32)
+    tx = optclip.top_q(0.5)
+    expected = tx.update(g, tx.init(g))[0]
+    with jax.set_mesh(mesh):
+        placed = jax.device_put(g, NamedSharding(mesh, P("d")))
+        state = jax.jit(tx.init)(placed)
+        step = jax.jit(tx.update)
+        found = _collectives(step.lower(placed, state).compile().as_text())
+        out = step(placed, state)[0]
+        monkeypatch.setattr(slices_lib, "single_cpu_device", lambda: True)
+        fresh = jax.jit(lambda g, s: tx.update(g, s))   # traced anew
+        blocked = _collectives(fresh.lower(placed, state).compile().as_text())
+    assert "all-gather" not in found and set(found) <= {"all-reduce"}, found
+    assert "all-gather" in blocked, blocked
+    np.testing.assert_array_equal(out, expected)
+
+
 # Two processes x 4 CPU devices (jax.distributed on localhost, gloo collectives).
 
 def _free_port() -> int:

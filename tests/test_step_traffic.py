@@ -69,13 +69,15 @@ BUDGET = {
     "normalize_by_ema": 6,
     "clip_value_by_ema": 11,
     "clip_value_growth": 13,
-    # Per-row ranking: a bisection on the bits of |g| (31 rounds), block of rows by block of
-    # rows, each block read from the cache in every round; the loop's operand is a copy of the
-    # donated gradients (a read and a write). Each block's read of that copy counts here as a
-    # whole pass (2 blocks of 128 rows: 2 counted, 1 made); and the finiteness check.
-    "top_q": 5,
-    "l1q_normalize": 8,
-    "l1q_frank_wolfe": 8,
+    # Per-row ranking: a bisection on the bits of |g| (31 rounds, each reads the bits and
+    # writes and reads the comparison: XLA:CPU does not fuse a comparison into a reduction;
+    # the comparison is bfloat16 flags, half a float32 pass each, counted here as whole ones),
+    # and the second bisection, on the index, that only rows with too many ties need. This
+    # suite runs on 8 CPU devices, where each leaf is one search; on one CPU device the rounds
+    # work block by block from the cache (test_ranking_by_blocks_reads_each_leaf_once).
+    "top_q": 98,
+    "l1q_normalize": 101,
+    "l1q_frank_wolfe": 101,
     # Reading the parameters (floor 1, and 1 per statistic).
     "project_l2_ball": 4,
     "project_linf_ball": 4,
@@ -162,12 +164,25 @@ def test_step_passes_match_budget(entry):
            "budget"))
 
 
-def test_ranking_rounds_write_two_byte_flags():
+# On one CPU device: the copy of the donated gradients that the blocks' loop reads (a read and
+# a write), each block's read of that copy (counted as a whole pass: 2 blocks of 128 rows, 2
+# counted, 1 made), and the finiteness check; the rounds read their block from the cache.
+BLOCKED_BUDGET = {"top_q": 5, "l1q_normalize": 8, "l1q_frank_wolfe": 8}
+
+
+@pytest.mark.parametrize("entry", [e for e in ALL_ENTRIES if e.name in BLOCKED_BUDGET], ids=str)
+def test_ranking_by_blocks_reads_each_leaf_once(entry, monkeypatch):
+    monkeypatch.setattr(slices, "single_cpu_device", lambda: True)
+    assert _extra(entry) == BLOCKED_BUDGET[entry.name]
+
+
+def test_ranking_rounds_write_two_byte_flags(monkeypatch):
     """XLA:CPU writes the comparison of every bisection round out before it counts it: the
-    rounds write it as bfloat16 flags, half the bytes of float32, and nothing else; on a CPU
-    a block of rows at a time (the (256, 512) leaves in blocks of 128 rows: nothing the size
-    of a leaf in any loop; each block's loop writes the block's bits once, outside the rounds).
-    Also inside ``shard_map``, where each device counts its block of the slice."""
+    rounds write it as bfloat16 flags, half the bytes of float32, and nothing else; on one CPU
+    device a block of rows at a time (the (256, 512) leaves in blocks of 128 rows: nothing the
+    size of a leaf in any loop; each block's loop writes the block's bits once, outside the
+    rounds). Also inside ``shard_map``, where each device counts its block of the slice."""
+    monkeypatch.setattr(slices, "single_cpu_device", lambda: True)
     tx = optax.chain(optclip.top_q(0.9), optax.adam(1e-3))
     state = jax.eval_shape(tx.init, TREE)
     text = jax.jit(tx.update, donate_argnums=(0, 1)).lower(TREE, state, TREE).compile().as_text()
