@@ -1088,7 +1088,7 @@ def test_top_q_ranked_in_groups_matches_one_group(monkeypatch):
 
 @pytest.mark.parametrize("dq", [0.0, 0.2], ids=["fixed_k", "drawn_k"])
 def test_top_q_ranked_by_blocks_of_rows_matches_the_oracle(monkeypatch, dq):
-    """With blocks of 12 entries, the (7, 5) leaf is ranked in 3 blocks of 2 rows, the last
+    """With blocks of 12 entries, the (7, 5) leaf is ranked in 4 blocks of 2 rows, the last
     overlapping the one before it, and the (2, 3, 4) leaf in 2 blocks of 3 rows; (2, 5)
     has too few rows and is ranked with the vectors. Ties at the cut-off (the lowest
     indices kept), a NaN and a zero row: the same outputs as one search over the whole leaf,

@@ -164,7 +164,6 @@ def test_global_clippers_exchange_only_scalars(make):
             shape)
 
 
-# ---------------------------------------------------------------------------------------------
 def test_ranking_a_row_sharded_leaf_gathers_nothing(monkeypatch):
     """top_q on a leaf whose rows jit splits over the 8 CPU devices: ranked as one search per
     leaf, so each device ranks its own rows and only scalars are exchanged. With the loop over
@@ -188,6 +187,7 @@ def test_ranking_a_row_sharded_leaf_gathers_nothing(monkeypatch):
     np.testing.assert_array_equal(out, expected)
 
 
+# ---------------------------------------------------------------------------------------------
 # Two processes x 4 CPU devices (jax.distributed on localhost, gloo collectives).
 
 def _free_port() -> int:
