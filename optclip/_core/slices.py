@@ -278,7 +278,8 @@ def top_k_masks(rows: list, ks: list) -> list:
     ranked = [i for i, r in enumerate(rows) if r.shape[-1] > 0]
     arrays = [rows[i] for i in ranked]
     ks = [jnp.asarray(ks[i], jnp.int32) for i in ranked]
-    blocked = [j for j, r in enumerate(arrays) if _block_rows(r)]
+    # Rows per block of each array ranked by blocks (by position in ``arrays``).
+    blocked = {j: per for j, r in enumerate(arrays) if (per := _block_rows(r))}
 
     def together(*arrays):
         return _row_cuts([magnitude_bits(r) for r in arrays], ks)
@@ -290,8 +291,8 @@ def top_k_masks(rows: list, ks: list) -> list:
             cuts = _row_cuts([magnitude_bits(arrays[j]) for j in rest], [ks[j] for j in rest])
             for j, t, e in zip(rest, *cuts, strict=True):
                 kth[j], last[j] = t, e
-        for j in blocked:
-            kth[j], last[j] = _blockwise_cuts(arrays[j], ks[j])
+        for j, per in blocked.items():
+            kth[j], last[j] = _blockwise_cuts(arrays[j], ks[j], per)
         return kth, last
 
     if not ranked:
@@ -365,13 +366,13 @@ def _block_rows(rows: jax.Array) -> int:
     return per if blockable and single_cpu_device() else 0
 
 
-def _blockwise_cuts(rows: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """:func:`_row_cuts` of one array, block of rows by block of rows (one ``fori_loop``).
+def _blockwise_cuts(rows: jax.Array, k: jax.Array, per: int) -> tuple[jax.Array, jax.Array]:
+    """:func:`_row_cuts` of one array, ``per`` rows at a time (one ``fori_loop``).
 
     The last block ends at the last row (it starts earlier, overlapping the one before it:
     those rows get the same cuts again), so every block has the same shape.
     """
-    per, width = _block_rows(rows), rows.shape[-1]
+    width = rows.shape[-1]
     flat = rows.reshape(-1, width)
     count = flat.shape[0]
     bits_dtype = norms.int_type(norms.acc_dtype(rows.dtype))
