@@ -75,6 +75,8 @@ class Entry:
       6e4, and its ``eps=1e-8`` is 0 in float16): the same wrapper around an adam that sees
       bounded gradients, so the wrapper's own statistics still meet the huge ones. ``None``:
       ``make``.
+    draws_per_leaf: ``make`` draws a random value for each float leaf in the tree's order (a
+      random ``q``), so reordering the leaves changes which draw a leaf gets.
     """
 
     name: str
@@ -90,6 +92,7 @@ class Entry:
     ord_kwargs: dict | None = None
     bound: Callable[[Any], bool] | None = None
     scale_make: Callable[[], optax.GradientTransformation] | None = None
+    draws_per_leaf: bool = False
 
     def __str__(self) -> str:
         return self.name
@@ -246,7 +249,7 @@ LP_SPACE = [
           axis_make=lambda a: optclip.l2_normalize(param_ndim=None, axis_name=a), ones_norm=1.0,
           bad_args=(({"eps": -1.0}, "eps"), ({"param_ndim": "rows"}, "param_ndim"),
                     ({"grad_scale": float("nan")}, "grad_scale"))),
-    Entry("top_q", lambda: optclip.top_q(0.5, dq=0.2, seed=3),
+    Entry("top_q", lambda: optclip.top_q(0.5, dq=0.2, seed=3), draws_per_leaf=True,
           axis_make=lambda a: optclip.top_q(0.5, dq=0.2, param_ndim=None, seed=3, axis_name=a),
           bad_args=(({"q": 1.5}, "q"), ({"q": 0.5, "dq": -0.1}, "dq"),
                     ({"q": 0.5, "seed": -1}, "seed"), ({"q": 0.5, "param_ndim": 1.0},
@@ -295,7 +298,7 @@ LP_SPACE = [
           bad_args=(({"epsilon": float("nan")}, "epsilon"),
                     ({"epsilon": 1.0, "learning_rate": -0.1}, "learning_rate"))),
     Entry("l1q_frank_wolfe", lambda: optclip.l1q_frank_wolfe(0.5, 1.5, dq=0.25),
-          needs_params=True, axis_make=lambda a: optclip.l1q_frank_wolfe(
+          needs_params=True, draws_per_leaf=True, axis_make=lambda a: optclip.l1q_frank_wolfe(
               0.5, 1.5, dq=0.25, param_ndim=None, axis_name=a),
           bad_args=(({"q": 2.0, "epsilon": 1.0}, "q"), ({"q": 0.5, "epsilon": -1.0}, "epsilon"),
                     ({"q": 0.5, "epsilon": 1.0, "seed": 0.5}, "seed"))),

@@ -686,6 +686,65 @@ def test_none_masked_and_empty_leaves_pass_through(entry):
         assert _nonfinite_count(state) == 0
 
 
+# Float leaves of two dtypes in runs of three, so per-leaf values travel in one vector per dtype
+# (a hand-out group of more than 32 entries is tested on its own in tests/test_core.py).
+_MANY_SHAPES = ((3, 4), (4,), (2, 1, 3), (), (5, 1))
+_MANY_DTYPES = (jnp.float32, jnp.bfloat16)
+_MANY = 12
+
+
+def _many_leaves(seed: int, order: list[int], interleaved: bool) -> dict:
+    """Float leaf ``j`` (shape and dtype fixed by ``j``) under a key that sorts at position
+    ``order.index(j)``; ``interleaved`` adds int32, ``None`` and masked leaves between them."""
+    rng = np.random.default_rng(seed)
+    values = [rng.normal(size=_MANY_SHAPES[j % len(_MANY_SHAPES)]) * 2.0 ** (j % 4 + seed % 3)
+              for j in range(_MANY)]
+    tree = {}
+    for position, j in enumerate(order):
+        tree[f"{position:02d}_leaf{j:02d}"] = jnp.asarray(values[j], _MANY_DTYPES[j // 3 % 2])
+        if interleaved and position % 4 == 1:
+            tree[f"{position:02d}_int"] = jnp.arange(3, dtype=jnp.int32)
+        if interleaved and position % 7 == 3:
+            tree[f"{position:02d}_none"] = None
+            tree[f"{position:02d}_masked"] = optax.MaskedNode()
+    return tree
+
+
+def _by_leaf(tree: dict) -> dict:
+    return {k.split("_", 1)[1]: np.asarray(v, np.float64) for k, v in tree.items()
+            if "_leaf" in k}
+
+
+@entries
+def test_the_leaves_order_and_other_leaves_change_no_leaf_output(entry):
+    """Each float leaf of a tree of mixed dtypes gets the same output at the second step (its
+    state carried from the first) whether the tree lists the leaves in order, or shuffled with
+    integer, ``None`` and masked leaves between them: per-leaf values go to the leaf they
+    belong to.
+
+    Shuffled, global sums add in another order: equal to a few units in the last place of each
+    dtype. A transform that draws a random value per leaf, in the tree's order, keeps the order
+    and is compared bit for bit.
+    """
+    tx = entry.make()
+    init, update = jax.jit(tx.init), jax.jit(tx.update)
+    forward = list(range(_MANY))
+    other = forward if entry.draws_per_leaf else [7, 2, 11, 0, 5, 9, 3, 10, 1, 6, 8, 4]
+    outputs = []
+    for order, interleaved in ((forward, False), (other, True)):
+        params = _many_leaves(1, order, interleaved)
+        state = init(params)
+        for seed in (9, 10):
+            out, state = update(_many_leaves(seed, order, interleaved), state, params)
+        outputs.append(_by_leaf(out))
+    expected, got = outputs
+    assert got.keys() == expected.keys()
+    for name, want in expected.items():
+        dtype = _MANY_DTYPES[int(name[4:]) // 3 % 2]
+        rtol = 0 if entry.draws_per_leaf else {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}[dtype]
+        np.testing.assert_allclose(got[name], want, rtol=rtol, atol=rtol * 1e-3, err_msg=name)
+
+
 @entries
 @pytest.mark.parametrize("tree", [{}, [], {"a": None}], ids=["dict", "list", "none"])
 def test_a_tree_without_arrays_comes_back_as_it_was(entry, tree):
