@@ -176,9 +176,9 @@ def l1_normalize(param_ndim: int | None = -1, eps: float = slices.TINY, grad_sca
 
     References:
       rai_toolbox ``L1NormedGradientOptim``. The norm is accumulated in
-      float32 (float64 for float64 leaves); where it under- or overflows the slice is rescaled by
-      its max-abs first, so the output keeps unit norm (the reference returns 0 for [3e38, 3e38]);
-      an all-zero slice stays zero in every dtype.
+      float32 (float64 for float64 leaves); where it under- or overflows the slice is rescaled
+      by a power of two first, so the output keeps unit norm (the reference returns 0 for
+      [3e38, 3e38]); an all-zero slice stays zero in every dtype.
 
     Example:
       >>> import jax.numpy as jnp, optax, optclip
@@ -210,7 +210,7 @@ def l2_normalize(param_ndim: int | None = -1, eps: float = slices.TINY, grad_sca
 
     References:
       rai_toolbox ``L2NormedGradientOptim``. Differences: the norm is
-      accumulated in float32 or wider with a max-abs rescaled fallback on under/overflow, so
+      accumulated in float32 or wider with a power-of-two rescaled fallback on under/overflow, so
       [1e-30, 0] gives [1, 0] (the reference gives [85070592, 0]); a zero slice stays
       zero in float16 too.
 

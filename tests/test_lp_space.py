@@ -240,6 +240,40 @@ def test_normalize_survives_norm_underflow_and_overflow(kind, g, want):
     np.testing.assert_allclose(out, np.asarray(want, F32), rtol=1e-6)
 
 
+# Rows at the edges of each dtype's range: norms below the smallest in-range norm (squares that
+# underflow), sums that overflow while every element is finite, and both ends in one row.
+# Subnormal elements are left out: XLA:CPU may flush them to zero.
+_EDGE_ROWS = {
+    np.float32: [[1e-20, 1e-20, -3e-21], [3e-38, -4e-38, 0.0], [2e19, -3e19, 1e-30],
+                 [3e38, -3e38, 3e38], [1e38, 1e37, -2e36], [3.0, 4.0, 0.0]],
+    np.float64: [[1e-200, -1e-200, 5e-201], [3e-308, 4e-308, 0.0], [1e160, -1e160, 1e-300],
+                 [1.7e308, -1.7e308, 1e300], [3.0, 4.0, 0.0]],
+}
+
+
+@pytest.mark.parametrize("kind", ["l1", "l2"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+def test_normalize_rows_at_the_range_edges_match_a_long_double_oracle(kind, dtype):
+    """Every non-zero finite row comes out with unit norm, as ``g / ||g||`` computed in long
+    double (exponent range far beyond float64), and the logged norm is that norm rounded to
+    the dtype (``inf`` where it exceeds the dtype's range). ``eps`` is the dtype's smallest
+    normal number (the default, float32's, would floor float64 norms at 1e-38)."""
+    rows = np.asarray(_EDGE_ROWS[dtype], dtype)
+    wide = rows.astype(np.longdouble)
+    norm = (np.abs(wide).sum(-1, keepdims=True) if kind == "l1"
+            else np.sqrt((wide * wide).sum(-1, keepdims=True)))
+    with jax.enable_x64(dtype == np.float64):
+        tx = NORMALIZERS[kind](param_ndim=1, eps=float(np.finfo(dtype).tiny))
+        out, state = jax.jit(tx.update)(jnp.asarray(rows), tx.init(jnp.asarray(rows)))
+        out, logged = np.asarray(out), np.asarray(state.norm)
+    assert out.dtype == dtype
+    np.testing.assert_allclose(out, (wide / norm).astype(dtype), rtol=4 * np.finfo(dtype).eps,
+                               atol=0)
+    with np.errstate(over="ignore"):
+        want = norm[:, 0].astype(dtype)
+    np.testing.assert_allclose(logged, want, rtol=4 * np.finfo(dtype).eps)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
 @pytest.mark.parametrize("factory", [
     lambda: optclip.l2_normalize(param_ndim=1), lambda: optclip.l1_normalize(param_ndim=1),

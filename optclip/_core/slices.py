@@ -102,8 +102,8 @@ def normalized(g: jax.Array, ord: float, axes: tuple[int, ...], eps: Any,
     The norm is the plain reduction (the reference's formula in the normal range). Where it
     underflows (``Σg² < tiny`` for L2, ``Σ|g| < tiny`` for L1) or is so large that its
     reciprocal would be subnormal (``>= 1/tiny``, inf included) while the slice is non-zero and
-    finite, the slice is first scaled by a power of two that brings its max-abs into [0.5, 1),
-    so the output has unit norm: the reference returns 8.5e7 for [1e-30, 0] and [0, 0] for
+    finite, the slice is first scaled by a fixed power of two (down or up) that brings it into
+    range, so the output has unit norm: the reference returns 8.5e7 for [1e-30, 0] and [0, 0] for
     [3e38, 3e38]. A zero slice stays zero in every dtype, also for ``eps=0`` (the
     reference gives NaN in float16). The output is ``g`` times the reciprocal of the divisor
     (what XLA makes of a division by a per-slice value), so results can differ from the
@@ -144,27 +144,41 @@ def _usual(norm: jax.Array, ord: float, dtype) -> jax.Array:
     return ((norm >= low) & (norm < high)) | ((norm == 0) if ord == 1.0 else False)
 
 
+# The power of two a slice whose plain norm is out of range is scaled by before it is measured
+# again: 2**-S where the norm is too large, 2**S where it is too small. Either way every element
+# lands where its square (or magnitude) can neither overflow in a sum of up to 2**40 elements nor
+# underflow below the precision of the norm (float32: a slice whose L2 norm is below 2**-63 holds
+# no element above 2**-55, scaled up at most 2**45; its smallest subnormal becomes 2**-49, whose
+# square is normal; a norm of 2**126 or more is scaled down to elements at most 2**28).
+_RESCUE_SHIFT = {jnp.dtype(jnp.float32): 100, jnp.dtype(jnp.float64): 600}
+
+
 def _rescued_factors(g: jax.Array, ord: float, axes: tuple[int, ...], eps: Any,
                      split: tuple[str, ...], plain: jax.Array
                      ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Per slice ``(up, down, norm, finite)`` from the slices' plain norms: the output of
-    :func:`normalized` is ``wide(g) * up * down``. Two more reads: the max-abs, and the norm of
-    every slice scaled by the power of two that brings its max-abs into [0.5, 1), which can
-    neither under- nor overflow, so it is finite exactly when the slice is (XLA:CPU's fast
-    maximum may skip NaN, the sum does not)."""
+    :func:`normalized` is ``wide(g) * up * down``. One more read: the norm of every slice
+    scaled by a fixed power of two, down where its plain norm is too large (``inf``
+    included), up where it is too small; slices in range are measured unscaled. A power of two
+    scales exactly, so the quotient is the one the unscaled slice would give in exact range.
+    The scaled norm is finite exactly when the slice is."""
     wide = _wide(g)
-    biggest = norms.across(jnp.max(jnp.abs(wide), axis=axes, keepdims=True, initial=0), "max",
-                           split)
-    scalable = (biggest > 0) & jnp.isfinite(biggest)
-    rescale = scalable & ~_usual(plain, ord, g.dtype) & (g.dtype != jnp.float16)
-    # Scale by 2**-e (exact) in two halves, so that neither factor is subnormal or infinite.
-    shift = jnp.where(scalable, -norms.binary_exponent(biggest), 0)
-    half, rest = norms.pow2(shift >> 1, wide.dtype), norms.pow2(shift - (shift >> 1), wide.dtype)
-    unit = _plain_norm(wide * half * rest, ord, axes, split)
+    low, high = _limits(ord, plain.dtype)
+    shift = _RESCUE_SHIFT[wide.dtype]
+    big, small = plain >= high, plain < low
+    one = jnp.ones((), wide.dtype)
+    factor = jnp.where(big, jnp.asarray(2.0 ** -shift, wide.dtype),
+                       jnp.where(small, jnp.asarray(2.0 ** shift, wide.dtype), one))
+    unit = _plain_norm(wide * factor, ord, axes, split)
+    # A zero slice (and every float16 slice: its float32 sums neither under- nor overflow)
+    # keeps the plain divisor; NaN compares false and is not rescaled.
+    rescale = (big | small) & (unit > 0) & (g.dtype != jnp.float16)
     denom = jnp.where(rescale, unit, _divisor(plain, eps))
-    up = jnp.where(rescale, half, 1)
-    down = jnp.where(rescale, rest, 1) / jnp.where(denom == 0, 1, denom)
-    norm = jnp.where(rescale, norms.ldexp(unit, -jnp.where(rescale, shift, 0)), plain)
+    up = jnp.where(rescale, factor, one)
+    down = 1 / jnp.where(denom == 0, one, denom)
+    inverse = jnp.where(big, jnp.asarray(2.0 ** shift, wide.dtype),
+                        jnp.asarray(2.0 ** -shift, wide.dtype))
+    norm = jnp.where(rescale, unit * inverse, plain)
     return up, down, norm, jnp.isfinite(unit)
 
 
