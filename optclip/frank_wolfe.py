@@ -156,65 +156,26 @@ def _check_ball(epsilon: Any, learning_rate: Any, use_default_lr_schedule: Any, 
     axes_lib.check_param_ndim_spec(param_ndim)
 
 
-def _l2_direction(g: jax.Array, axes: Any, split: Any, k: tuple) -> jax.Array:
-    """``g / max(||g||₂, eps)`` per slice from the measured ``k = (shift, denom)``: the slice
-    is scaled by ``2**shift`` (exact, in two halves) and divided by ``denom``."""
-    shift, denom = k
-    wide = g.astype(norms.acc_dtype(g.dtype))
-    half = norms.pow2(shift >> 1, wide.dtype)
-    unit = wide * half * half * norms.pow2(shift & 1, wide.dtype)
-    return (unit / jnp.where(denom == 0, 1, denom)).astype(g.dtype)
-
-
-def _plain_denominator(norm: jax.Array, eps: Any) -> jax.Array:
-    """``max(norm, eps)``; a zero slice is divided by 1 (it stays zero, with a finite
-    derivative)."""
-    return jnp.where(norm == 0, 1, jnp.maximum(norm, jnp.asarray(eps).astype(norm.dtype)))
-
-
-def _l2_slices(g: jax.Array, axes: tuple[int, ...], split: tuple[str, ...], eps: Any
-               ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
-    """``((shift, denom), finite)`` of every slice as :func:`l2_normalize` forms them: the norm
-    is measured on the slice scaled by the power of two that brings its largest magnitude into
-    ``[0.5, 1)`` (two reads: the largest magnitude, then the sum of scaled squares, which can
-    neither under- nor overflow: it is finite exactly when the slice is), and that scaled slice
-    is divided by its norm where the norm underflows or its reciprocal would be subnormal;
-    elsewhere the slice is divided by ``max(norm, eps)`` (the same quotient as from the plain
-    sum of squares: the scaling is exact)."""
-    wide = g.astype(norms.acc_dtype(g.dtype))
-    if g.dtype == jnp.float16:   # float32 sums of float16 squares neither under- nor overflow
-        sums = norms.across(jnp.sum(jnp.square(wide), axis=axes, keepdims=True), "sum", split)
-        return ((jnp.zeros(sums.shape, jnp.int32),
-                 _plain_denominator(norms.safe_sqrt(sums), eps)), jnp.all(jnp.isfinite(sums)))
-    tiny = float(jnp.finfo(wide.dtype).tiny)
-    if not axes:   # one-element slices: g / |g| is exactly ±1 wherever |g| needs the rescaling
-        size = jnp.abs(wide)
-        rescale = ((size < tiny ** 0.5) | (size >= 1 / tiny)) & (size > 0) & jnp.isfinite(size)
-        return ((jnp.zeros(size.shape, jnp.int32),
-                 jnp.where(rescale, size, _plain_denominator(size, eps))),
-                stats_lib.leaf_finite(wide))
-    biggest = norms.across(jnp.max(jnp.abs(wide), axis=axes, keepdims=True, initial=0), "max",
-                           split)
-    measurable = (biggest > 0) & jnp.isfinite(biggest)
-    shift = jnp.where(measurable, -norms.binary_exponent(biggest), 0)
-    unit = _l2_direction(wide, axes, split, (shift, jnp.ones_like(biggest)))
-    unit_sums = norms.across(jnp.sum(jnp.square(unit), axis=axes, keepdims=True), "sum", split)
-    unit_norm = norms.safe_sqrt(unit_sums)
-    norm = jnp.where(measurable, norms.ldexp(unit_norm, -shift), unit_norm)
-    rescale = ((norm < tiny ** 0.5) | (norm >= 1 / tiny)) & measurable
-    return ((jnp.where(rescale, shift, 0),
-             jnp.where(rescale, unit_norm, _plain_denominator(norm, eps))),
-            jnp.all(jnp.isfinite(unit_sums)))
+def _l2_direction(g: jax.Array, axes: Any, split: Any, k: Any) -> jax.Array:
+    """``g / max(||g||₂, eps)`` per slice, as :func:`l2_normalize` forms it: ``k`` is the
+    slices' ``(up, down)`` factors (:func:`slices.normalizing_factors`), or ``eps`` for
+    one-element slices."""
+    if axes == ():
+        return slices.elementwise_normalized(g, 2.0, k)[0].astype(g.dtype)
+    up, down = k
+    return (g.astype(norms.acc_dtype(g.dtype)) * up * down).astype(g.dtype)
 
 
 def _l2_measure(leaves: list, cut: slices.Slicing, eps: Any, axis_name: norms.AxisName
                 ) -> tuple[list, list]:
-    """Per leaf ``(shift, denom)`` for :func:`_l2_direction` (:func:`_l2_slices`) and the
-    per-leaf finiteness flags read off the same reads."""
-    measured = [None if axes is None else _l2_slices(g, axes, split, eps)
-                for g, axes, split in zip(leaves, cut.axes, cut.split, strict=True)]
-    return ([None if m is None else m[0] for m in measured],
-            [m[1] for m in measured if m is not None])
+    """Per leaf what :func:`_l2_direction` needs, and the finiteness flags read off the same
+    reads: one plain sum of squares per slice, measured again rescaled only on a step where
+    some slice's norm is out of range (:func:`slices.normalizing_factors`)."""
+    factors, finite = slices.normalizing_factors(leaves, cut, 2.0, eps, axis_name)
+    k_of = [f[:2] if f is not None else (eps if axes == () else None)
+            for f, axes in zip(factors, cut.axes, strict=True)]
+    return k_of, [finite, *(stats_lib.leaf_finite(g)
+                            for g, axes in zip(leaves, cut.axes, strict=True) if axes == ())]
 
 
 def _fw_leaves(updates: Any, params: Any, lmo, cut: slices.Slicing, k_of: list, a: jax.Array,

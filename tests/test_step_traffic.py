@@ -84,7 +84,7 @@ BUDGET = {
     "clamp_params": 4,
     "frank_wolfe": 3,
     "l1_frank_wolfe": 3,
-    "l2_frank_wolfe": 4,
+    "l2_frank_wolfe": 3,
     "linf_frank_wolfe": 3,
     "adaptive_grad_clip": 2,
     # Wrappers of adam (a global norm; the moment clippers read g and nu for their statistic;
