@@ -212,27 +212,6 @@ def test_no_grouping_when_several_devices_are_visible():
     assert jax.device_count() == 8 and not norms._may_group()
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_power_of_two_helpers_match_numpy(dtype):
-    """binary_exponent/pow2/ldexp (bit-level stand-ins for frexp/ldexp) give numpy's results."""
-    info = np.finfo(dtype)
-    rng = np.random.default_rng(0)
-    exps = rng.integers(info.minexp, info.maxexp - 1, 500)
-    x = (rng.uniform(0.5, 1.0, 500) * 2.0 ** exps).astype(dtype)
-    k = rng.integers(info.minexp - info.nmant, info.maxexp, 500)
-    d = rng.uniform(0.5, 64.0, 500).astype(dtype)
-    with jax.enable_x64(dtype == np.float64):
-        got_e = jax.jit(norms.binary_exponent)(x)
-        got_p = jax.jit(lambda k: norms.pow2(k, dtype))(np.arange(info.minexp, info.maxexp))
-        got_l = jax.jit(norms.ldexp)(d, k.astype(np.int32))
-    np.testing.assert_array_equal(got_e, np.frexp(x)[1])
-    np.testing.assert_array_equal(got_p, np.ldexp(dtype(1), np.arange(info.minexp, info.maxexp)))
-    with np.errstate(over="ignore"):
-        expected = np.ldexp(d, k.astype(np.int32))
-    normal = np.abs(expected) >= info.tiny          # XLA on CPU flushes subnormal results
-    np.testing.assert_array_equal(np.asarray(got_l)[normal], expected[normal])
-
-
 def test_transformation_with_extra_args_forwards_them_and_keeps_the_tree_contract():
     seen = {}
 

@@ -751,33 +751,6 @@ def int_type(dtype) -> jnp.dtype:
     return jnp.dtype(jnp.int64) if jnp.dtype(dtype).itemsize == 8 else jnp.dtype(jnp.int32)
 
 
-def binary_exponent(x: jax.Array) -> jax.Array:
-    """``jnp.frexp(x)[1]`` (int32) wherever ``x > 0`` and finite (float32 or float64).
-
-    Read from the bits in a few integer operations: ``jnp.frexp`` expands into a long chain that
-    XLA copies into every fusion consuming a per-slice value computed from it.
-    """
-    info = jnp.finfo(x.dtype)
-    bits = jax.lax.bitcast_convert_type(x, int_type(x.dtype))
-    normal = (bits >> info.nmant) - (info.maxexp - 2)
-    subnormal = (info.bits - info.nmant - info.maxexp + 2) - jax.lax.clz(bits)
-    return jnp.where(bits >= (1 << info.nmant), normal, subnormal).astype(jnp.int32)
-
-
-def pow2(k: jax.Array, dtype) -> jax.Array:
-    """``2.0 ** k`` in ``dtype`` (exact) for integer ``k`` in the normal exponent range."""
-    info = jnp.finfo(dtype)
-    biased = (k.astype(int_type(dtype)) + (info.maxexp - 1)) << info.nmant
-    return jax.lax.bitcast_convert_type(biased, jnp.dtype(dtype))
-
-
-def ldexp(x: jax.Array, k: jax.Array) -> jax.Array:
-    """``jnp.ldexp(x, k)`` as two exact power-of-two factors (``|k|`` up to twice the largest
-    exponent), a few operations instead of ``jnp.ldexp``'s long expansion."""
-    half = k >> 1
-    return x * pow2(half, x.dtype) * pow2(k - half, x.dtype)
-
-
 def scale(x: jax.Array, factor: jax.Array) -> jax.Array:
     """``x * factor`` computed in the wide dtype and cast back to ``x``'s dtype."""
     if not is_float(x):
