@@ -55,7 +55,8 @@ docs: $(VENV)/.installed-test
 	$(BIN)/mkdocs build --strict --site-dir site
 
 # Every transform: compile and step ratios against adam, state bytes; writes
-# benchmarks/results.json and (full runs) docs/benchmarks.md. BENCH_ARGS=--quick for a smoke run.
+# benchmarks/results.json and (full runs) docs/benchmarks.md. BENCH_ARGS=--quick for a smoke run;
+# BENCH_ARGS="--only NAME... --skip-global --update" re-measures a few rows of the last full run.
 bench: $(VENV)/.installed-test
 	$(BIN)/python benchmarks/bench_clip.py $(BENCH_ARGS)
 

@@ -426,6 +426,12 @@ def render_markdown(results: dict) -> str:
                   "by `clip_by_global_norm` and `zclip` was not measured.", ""]
     if c.get("partial"):
         lines += [f"!!! warning \"Partial run\"\n    {c['partial']}", ""]
+    for update in c.get("updates", ()):
+        u = update["machine"]
+        lines += [f"Measured again on {u['date']} after a change ({u['cpu']}, {u['cores']} "
+                  f"cores; jax {u['jax']}; `{update['command']}`): "
+                  + ", ".join(f"`{n}`" for n in update["names"]) + ". The other rows come "
+                  "from the full run above.", ""]
     gpt2 = c["step_tree"]
     lines += [
         "## Every transform",
@@ -519,6 +525,26 @@ def render_markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+def merged(path: str, update: dict) -> dict:
+    """The results of the full run in ``path`` with the rows of ``update`` (an ``--only`` run)
+    in place of its own, and a record of the update in its config."""
+    with open(path) as f:
+        full = json.load(f)
+    if full["config"].get("partial") or full["config"].get("quick"):
+        raise SystemExit(f"--update: {path} is not the result of a full run")
+    names = [row["name"] for row in update["transforms"]]
+    rows = {row["name"]: row for row in update["transforms"]}
+    full["transforms"] = [rows.pop(row["name"], row) for row in full["transforms"]]
+    full["transforms"] += list(rows.values())
+    # Earlier updates keep only the rows this one does not measure again.
+    earlier = [{**u, "names": [n for n in u["names"] if n not in names]}
+               for u in full["config"].get("updates", ())]
+    full["config"]["updates"] = [*(u for u in earlier if u["names"]),
+                                 {"names": names, "machine": update["machine"],
+                                  "command": update["config"]["command"]}]
+    return full
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
@@ -546,7 +572,14 @@ def parse_args(argv=None):
                         help="write the page here (default docs/benchmarks.md on a full run)")
     parser.add_argument("--render", metavar="JSON",
                         help="only render --docs (default docs/benchmarks.md) from this JSON")
+    parser.add_argument("--update", action="store_true",
+                        help="with --only: replace those transforms' rows in the --json file of "
+                             "the last full run (which keeps its other rows, its global-norm "
+                             "comparison and compile reference) and re-render the page, which "
+                             "says which rows were measured again, when and where")
     args = parser.parse_args(argv)
+    if args.update and not args.only:
+        parser.error("--update needs --only (a full run rewrites every row anyway)")
     if args.leaves is None:
         args.leaves = [32, 128] if args.quick else [32, 256, 2000]
     unknown = set(args.only or ()) - set(CASES)
@@ -617,7 +650,8 @@ def main(argv=None):
         results["transforms"].append(row)
         # Written after every row: a run that is stopped (time, memory) keeps what it measured
         # (``--render`` turns it into the page, marked partial).
-        if done + 1 < len(names):
+        # (--update leaves the full run's file alone until the end.)
+        if done + 1 < len(names) and not args.update:
             unfinished = {**results, "config": {**results["config"], "partial": " ".join(
                 partial + [f"Stopped after {done + 1} of {len(names)} transforms."])}}
             with open(args.json, "w") as f:
@@ -627,12 +661,14 @@ def main(argv=None):
               f" (floor {row['floor']:.2f})  passes {row['passes']:g} ({row['floor_passes']})"
               f"  state {row['state_bytes_per_param_byte']:.2f}"
               f"  [{time.perf_counter() - start:.0f} s]", flush=True)
+    if args.update:
+        results = merged(args.json, results)
     print()
     print_table(results)
     with open(args.json, "w") as f:
         json.dump(results, f, indent=1)
     print(f"\nwrote {args.json}")
-    docs = args.docs or (None if (args.quick or args.only) else
+    docs = args.docs or (None if (args.quick or args.only) and not args.update else
                          os.path.join(ROOT, "docs", "benchmarks.md"))
     if docs:
         with open(docs, "w") as f:
