@@ -156,26 +156,19 @@ def _check_ball(epsilon: Any, learning_rate: Any, use_default_lr_schedule: Any, 
     axes_lib.check_param_ndim_spec(param_ndim)
 
 
-def _l2_direction(g: jax.Array, axes: Any, split: Any, k: Any) -> jax.Array:
-    """``g / max(||g||₂, eps)`` per slice, as :func:`l2_normalize` forms it: ``k`` is the
-    slices' ``(up, down)`` factors (:func:`slices.normalizing_factors`), or ``eps`` for
-    one-element slices."""
-    if axes == ():
-        return slices.elementwise_normalized(g, 2.0, k)[0].astype(g.dtype)
-    up, down = k
-    return (g.astype(norms.acc_dtype(g.dtype)) * up * down).astype(g.dtype)
-
-
 def _l2_measure(leaves: list, cut: slices.Slicing, eps: Any, axis_name: norms.AxisName
                 ) -> tuple[list, list]:
-    """Per leaf what :func:`_l2_direction` needs, and the finiteness flags read off the same
-    reads: one plain sum of squares per slice, measured again rescaled only on a step where
-    some slice's norm is out of range (:func:`slices.normalizing_factors`)."""
-    factors, finite = slices.normalizing_factors(leaves, cut, 2.0, eps, axis_name)
-    k_of = [f[:2] if f is not None else (eps if axes == () else None)
-            for f, axes in zip(factors, cut.axes, strict=True)]
-    return k_of, [finite, *(stats_lib.leaf_finite(g)
-                            for g, axes in zip(leaves, cut.axes, strict=True) if axes == ())]
+    """Per leaf the LMO direction ``g / max(||g||₂, eps)`` per slice, exactly
+    :func:`l2_normalize`'s output (:func:`slices.normalized_leaves`: one plain sum of squares
+    per slice, measured again rescaled only on a step where some slice's norm is out of range),
+    and the step's finiteness read off the same reads."""
+    directions, _, finite = slices.normalized_leaves(leaves, cut, 2.0, eps, axis_name)
+    return directions, [finite]
+
+
+def _l2_direction(g: jax.Array, axes: Any, split: Any, direction: jax.Array) -> jax.Array:
+    """The direction :func:`_l2_measure` formed, in ``g``'s dtype."""
+    return direction.astype(g.dtype)
 
 
 def _fw_leaves(updates: Any, params: Any, lmo, cut: slices.Slicing, k_of: list, a: jax.Array,

@@ -112,7 +112,7 @@ def normalized(g: jax.Array, ord: float, axes: tuple[int, ...], eps: Any,
     reads each leaf only once for the norm on a step where no slice needs the rescaling.
     """
     if not axes:
-        return elementwise_normalized(g, ord, eps)
+        return _elementwise_normalized(g, ord, eps)
     up, down, norm, _ = _rescued_factors(g, ord, axes, eps, split,
                                          _plain_norm(g, ord, axes, split))
     return _wide(g) * up * down, norm
@@ -178,9 +178,7 @@ def _rescued_factors(g: jax.Array, ord: float, axes: tuple[int, ...], eps: Any,
     denom = jnp.where(rescale, unit, _divisor(plain, eps))
     up = jnp.where(rescale, factor, one)
     down = 1 / jnp.where(denom == 0, one, denom)
-    inverse = jnp.where(big, jnp.asarray(2.0 ** shift, wide.dtype),
-                        jnp.asarray(2.0 ** -shift, wide.dtype))
-    norm = jnp.where(rescale, unit * inverse, plain)
+    norm = jnp.where(rescale, unit / factor, plain)     # exact: factor is a power of two
     return up, down, norm, jnp.isfinite(unit)
 
 
@@ -194,7 +192,7 @@ def _plain_norm(g: jax.Array, ord: float, axes: tuple[int, ...],
     return total if ord == 1.0 else norms.safe_sqrt(total)
 
 
-def elementwise_normalized(g: jax.Array, ord: float, eps: Any) -> tuple[jax.Array, jax.Array]:
+def _elementwise_normalized(g: jax.Array, ord: float, eps: Any) -> tuple[jax.Array, jax.Array]:
     """:func:`normalized` of one-element slices: ``g / max(|g|, eps)``, ``sign(g)`` where the
     reciprocal of ``|g|`` is out of range; the norm is ``|g|``."""
     wide = _wide(g)
@@ -203,17 +201,17 @@ def elementwise_normalized(g: jax.Array, ord: float, eps: Any) -> tuple[jax.Arra
     return jnp.where(rescale, jnp.sign(wide), wide / _divisor(norm, eps)), norm
 
 
-def normalizing_factors(leaves: list, cut: Slicing, ord: float, eps: Any,
-                        axis_name: norms.AxisName) -> tuple[list, jax.Array]:
-    """Per float leaf with reduced axes ``(up, down, norm)`` (keepdims; ``None`` for the other
-    leaves): :func:`normalized` of the leaf is ``wide(g) * up * down``. Also whether every
-    element of those leaves is finite on every device.
+def normalized_leaves(leaves: list, cut: Slicing, ord: float, eps: Any,
+                      axis_name: norms.AxisName) -> tuple[list, list, jax.Array]:
+    """:func:`normalized` of every float leaf cut by ``cut``; returns (outputs in the wide dtype,
+    norms keepdims, whether every element of every float leaf is finite on every device).
 
-    Each leaf is read once, for one plain sum per slice. Only when some slice's plain norm is
-    zero (L2), non-finite or out of the range where its reciprocal is exact (one scalar test
-    for all leaves, ``lax.cond``) are the rescaled divisors and the finiteness computed again
-    exactly, as :func:`normalized` does; otherwise every norm is finite, and so is every
-    element.
+    Each leaf is read once, for one plain sum per slice (one-element slices need none). Only
+    when some slice's plain norm is zero (L2), non-finite or out of the range where its
+    reciprocal is exact (one scalar test for all leaves, ``lax.cond``) are the rescaled
+    divisors and the finiteness computed again exactly, as :func:`normalized` does; otherwise
+    every norm is finite, and so is every element. The scaling itself is elementwise outside
+    the ``cond``, so XLA can fuse it into the next transform.
     """
     reduced = [i for i, axes in enumerate(cut.axes) if axes]
     plain = [_plain_norm(leaves[i], ord, cut.axes[i], cut.split[i]) for i in reduced]
@@ -231,30 +229,12 @@ def normalizing_factors(leaves: list, cut: Slicing, ord: float, eps: Any,
         return [f[:3] for f in factors], finite
 
     factors, finite = jax.lax.cond(rare, exact, usual)
-    by_leaf = [None] * len(leaves)
-    for i, f in zip(reduced, factors):
-        by_leaf[i] = f
-    return by_leaf, finite
-
-
-def normalized_leaves(leaves: list, cut: Slicing, ord: float, eps: Any,
-                      axis_name: norms.AxisName) -> tuple[list, list, jax.Array]:
-    """:func:`normalized` of every float leaf cut by ``cut``; returns (outputs in the wide dtype,
-    norms keepdims, whether every element of every float leaf is finite on every device).
-
-    The norms and factors come from :func:`normalizing_factors` (one read of each leaf on a
-    step where no slice needs the rescaling). The scaling itself is elementwise outside the
-    ``cond``, so XLA can fuse it into the next transform.
-    """
-    factors, finite = normalizing_factors(leaves, cut, ord, eps, axis_name)
     outputs, measured = [None] * len(leaves), [None] * len(leaves)
-    for i, f in enumerate(factors):
-        if f is not None:
-            up, down, norm = f
-            outputs[i], measured[i] = _wide(leaves[i]) * up * down, norm
+    for i, (up, down, norm) in zip(reduced, factors):
+        outputs[i], measured[i] = _wide(leaves[i]) * up * down, norm
     elementwise = [i for i, axes in enumerate(cut.axes) if axes == ()]
     for i in elementwise:
-        outputs[i], measured[i] = elementwise_normalized(leaves[i], ord, eps)
+        outputs[i], measured[i] = _elementwise_normalized(leaves[i], ord, eps)
     others = stats.all_of([stats.leaf_finite(leaves[i]) for i in elementwise], axis_name)
     return outputs, measured, finite & others
 
