@@ -140,6 +140,8 @@ def clip_value_growth(
     _check_growth_args(add, mul, min_value, max_decay)
     norms.check_axis_name(axis_name)
     identity = add is None and mul is None
+    steep = checks.is_concrete_number(mul) and mul >= _MIN_RATIO
+    mild = checks.is_concrete_number(max_decay) and max_decay * _MIN_RATIO < 0.5
 
     def init_fn(params):
         prev = stats_lib.zeros_like_params(lambda t: jax.tree.map(
@@ -150,30 +152,63 @@ def clip_value_growth(
         return stats_lib.own_buffers(ClipValueGrowthState(
             zero, prev, ratio, jax.tree.map(lambda r: jnp.zeros((), bool), ratio), zero))
 
-    def leaf_step(x, prev, first, hp):
-        """``(output, new reference, max ratio, clipped, finite)`` of one floating leaf."""
+    def leaf_stats(x, prev, hp):
+        """``(finite, max ratio, limited somewhere)`` of one floating leaf."""
         if identity:
-            finite = stats_lib.leaf_finite(x)
-            ratio, limited = jnp.ones((), prev.dtype), jnp.zeros((), bool)
-        else:
-            finite, ratio, limited = _value_stats(x, prev, hp, axis_name)
-        out, new_prev = _value_step(x, prev, first, hp, limited | ~finite)
-        ratio = jnp.where(first, 1, ratio).astype(ratio.dtype)
-        return out, new_prev, ratio, limited & ~first, finite
+            return (stats_lib.leaf_finite(x), jnp.ones((), prev.dtype), jnp.zeros((), bool))
+        return _value_stats(x, prev, hp, axis_name)
 
     def update_fn(updates, state, params=None):
         del params
         first = state.count == 0
         hp = _limits_at(state.count, add, mul, min_value, max_decay)
-        outputs, new_prev, max_ratio, clipped, finite = trees.tree_unzip(
-            lambda x, prev: leaf_step(x, prev, first, hp) if norms.is_float(x)
-            else (x, None, None, None, None), updates, state.prev, n=5)
-        ok = stats_lib.all_of(jax.tree.leaves(finite), axis_name)
+        leaves, (prevs,), treedef = trees.flatten_with(updates, state.prev)
+        floats = [i for i, x in enumerate(leaves) if norms.is_float(x)]
+        measured = {i: leaf_stats(leaves[i], prevs[i], hp) for i in floats}
+        ok = stats_lib.all_of([measured[i][0] for i in floats], axis_name)
+
+        def step(i):
+            finite, _, limited = measured[i]
+            return _value_step(leaves[i], prevs[i], first, hp, limited | ~finite, steep, mild)
+
+        ratios = [jnp.where(first, 1, measured[i][1]).astype(measured[i][1].dtype)
+                  for i in floats]
+        clipped = [measured[i][2] & ~first for i in floats]
+        old_fields = [treedef.flatten_up_to(f) for f in (state.max_ratio, state.clipped)]
+        kept = [[column[i] for i in floats] for column in old_fields]
         if _may_overflow(max_decay):    # a reference growing by 1 / max_decay per step
-            ok = ok & stats_lib.all_finite(new_prev, axis_name)
-        new = ClipValueGrowthState(optax.safe_increment(state.count), new_prev, max_ratio,
-                                   clipped, state.nonfinite)
-        return outputs, stats_lib.commit(ok, new, state)
+            stepped = {i: step(i) for i in floats}
+            ok = ok & stats_lib.all_finite([stepped[i][1] for i in floats], axis_name)
+            outs = [stepped[i][0] for i in floats]
+            news, ratios, clipped = stats_lib.keep_if(
+                ok, ([stepped[i][1] for i in floats], ratios, clipped),
+                ([prevs[i] for i in floats], *kept))
+        else:
+            # One lax.cond on the step's finiteness writes every reference (a held step
+            # hands the old ones back untouched) with the step's diagnostics. The outputs
+            # leave through it: they are computed where the reference is read, before it is
+            # written over, and the optimizer after this transform reads them instead of
+            # computing them again from the update and the old reference (XLA would then
+            # copy both first, to write the new reference over the donated buffer). The
+            # diagnostics enter it so that their reductions, too, read the old reference
+            # before it is written over.
+            def run():
+                stepped = [step(i) for i in floats]
+                return [o for o, _ in stepped], [n for _, n in stepped], ratios, clipped
+
+            def hold():
+                return [step(i)[0] for i in floats], [prevs[i] for i in floats], *kept
+
+            outs, news, ratios, clipped = stats_lib.run_or_hold(ok, run, hold)
+        outputs, new_prev = list(leaves), list(prevs)
+        for i, out, new_ref in zip(floats, outs, news):
+            outputs[i], new_prev[i] = out, new_ref
+        new = ClipValueGrowthState(
+            jnp.where(ok, optax.safe_increment(state.count), state.count),
+            treedef.unflatten(new_prev), trees.unflatten_at(treedef, dict(zip(floats, ratios))),
+            trees.unflatten_at(treedef, dict(zip(floats, clipped))),
+            stats_lib.count_nonfinite(state.nonfinite, ok))
+        return treedef.unflatten(outputs), new
 
     return checks.transformation(init_fn, update_fn)
 
@@ -190,13 +225,15 @@ def _columns(rows: list[list], width: int) -> list[list]:
     return [[row[k] for row in rows] for k in range(width)]
 
 
-def _value_limit(wide: jax.Array, prev: jax.Array, hp: _Limits):
+def _value_limit(wide: jax.Array, prev: jax.Array, hp: _Limits, steep: bool = False):
     """clip_value_growth, elementwise: ``(limited update, |y| before the multiplicative cap,
     its floor m, additive excess)`` (the excess ``None`` without ``add``).
 
     The ratio ``r = max(|y| / m, 1e-8)`` is compared as products (``r > mul`` where
     ``|y| > mul m``) and ``y / (r / mul)`` is ``sign(y) mul m``: XLA:CPU never copies an
-    elementwise division into several passes, it writes it out first.
+    elementwise division into several passes, it writes it out first. ``steep``: ``mul`` is
+    known to be at least the ratio's floor ``1e-8`` (a number, not a schedule), so the
+    floor's case is left out of the trace.
     """
     reference = jnp.abs(prev)
     y, excess = wide, None
@@ -208,8 +245,11 @@ def _value_limit(wide: jax.Array, prev: jax.Array, hp: _Limits):
     size = jnp.abs(y)
     if hp.mul is not None:
         m, tiny = _const(hp.mul, y), _const(_MIN_RATIO, y)
-        capped = _select(size >= tiny * floor, jnp.sign(y) * (m * floor), y * (m / tiny))
-        y = _select((size > m * floor) | (m < tiny), capped, y)
+        if steep:   # mul >= 1e-8: the ratio's floor never binds where the cap does
+            y = _select(size > m * floor, jnp.sign(y) * (m * floor), y)
+        else:
+            capped = _select(size >= tiny * floor, jnp.sign(y) * (m * floor), y * (m / tiny))
+            y = _select((size > m * floor) | (m < tiny), capped, y)
     return y, size, floor, excess
 
 
@@ -255,21 +295,30 @@ def _max_ratio(x: jax.Array, prev: jax.Array, hp: _Limits, axis_name: AxisName) 
 
 
 def _value_step(x: jax.Array, prev: jax.Array, first: jax.Array, hp: _Limits,
-                changed: jax.Array):
+                changed: jax.Array, steep: bool = False, mild: bool = False):
     """``(output, new reference)`` of one leaf. ``changed`` (a per-leaf flag that holds
     wherever the limit changes an element) makes the output read the leaf's statistics,
-    so XLA computes them before it writes over the donated updates."""
+    so XLA computes them before it writes over the donated updates. ``steep`` and ``mild``
+    say what is known while tracing: ``mul >= 1e-8`` and ``max_decay < 5e7`` (numbers), so
+    the ratio's floor ``1e-8`` never decides and its tests are left out (``mild`` with a
+    margin for float32 rounding)."""
     wide = x.astype(prev.dtype)
     if hp.add is None and hp.mul is None:   # the identity
         return x, wide
-    y, size, floor, _ = _value_limit(wide, prev, hp)
+    y, size, floor, _ = _value_limit(wide, prev, hp, steep)
     new_prev = y
     if hp.max_decay is not None:   # r < 1 / max_decay
         decay = _const(hp.max_decay, y)
-        slow = (size * decay < floor) & (decay * _const(_MIN_RATIO, y) < 1)
+        slow = size * decay < floor
+        if not mild:
+            slow = slow & (decay * _const(_MIN_RATIO, y) < 1)
         new_prev = _select(slow, prev / decay, y)
     out = _select(first | ~changed, wide, y).astype(x.dtype)
-    return out, _select(first, wide, new_prev)
+    # On the first step the output is the update; where it has the reference's dtype, the
+    # reference is taken from the output (the same values), so that XLA computes the output
+    # before it writes the new reference over the old one that both read.
+    start = out if out.dtype == wide.dtype else wide
+    return out, _select(first, start, new_prev)
 
 
 def clip_norm_growth(

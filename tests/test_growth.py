@@ -201,7 +201,7 @@ def test_clip_norm_growth_stored_reference(parameterwise, want):
 
 VALUE_OPTIONS = [dict(), dict(add=0.5), dict(add=0.2, mul=None), dict(min_value=None),
                  dict(max_decay=None), dict(mul=1.1, max_decay=3.0, min_value=1e-2),
-                 dict(add=None, mul=None)]
+                 dict(add=None, mul=None), dict(mul=1e-9), dict(max_decay=1e9)]
 
 
 @pytest.mark.parametrize("kwargs", VALUE_OPTIONS, ids=str)
@@ -215,6 +215,20 @@ def test_clip_value_growth_matches_oracle(kwargs):
         if kwargs.get("mul", 1.5) is not None or kwargs.get("add") is not None:
             for got, p in zip(to_np(state.prev), prev):
                 np.testing.assert_allclose(got, p, rtol=ORACLE_RTOL, atol=1e-7)
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(add=0.5, mul=1.1, max_decay=3.0)], ids=str)
+def test_value_growth_numbers_and_schedules_agree_bit_for_bit(kwargs):
+    """A ``mul`` and ``max_decay`` known as numbers leave the tests of the ratio's ``1e-8``
+    floor out of the step; as schedules (known only at the step) they keep them: the same
+    outputs and states, bit for bit."""
+    kwargs = {"mul": 1.5, "max_decay": 2.0, **kwargs}
+    scheduled = {k: (lambda count, v=v: v) for k, v in kwargs.items() if k != "add"}
+    seq = [as_tree(s) for s in random_sequence(seed=23)]
+    outs, states = run(optclip.clip_value_growth(**kwargs), seq, jit=True)
+    want_outs, want_states = run(optclip.clip_value_growth(**{**kwargs, **scheduled}), seq,
+                                 jit=True)
+    chex.assert_trees_all_equal((outs, states), (want_outs, want_states))
 
 
 NORM_OPTIONS = [dict(), dict(add=0.5), dict(add=2.0, mul=None), dict(min_value=None),
@@ -480,10 +494,11 @@ def test_value_growth_additive_nonfinite_step_leaves_state_unchanged(index, pois
 @pytest.mark.skipif(not hlo.recorded_xla(), reason="exact pass counts of one XLA version")
 def test_value_growth_step_passes():
     """Beyond adam's passes: the ratio reduction reads the update and the reference (2), the
-    finiteness sum the update (1; with ``add`` also the reference: 2), adam's two kernels read
-    the reference once each (2), one kernel writes the new reference (3), and XLA copies the
-    update and the reference (4), as it cannot order the in-place writes after their
-    readers."""
-    for kwargs, extra in (({}, 12), ({"add": 0.5, "mul": None}, 13), ({"min_value": None}, 12)):
+    finiteness sum the update (1; with ``add`` also the reference: 2); one conditional on the
+    step's finiteness writes the output from the update and the reference (3) and the new
+    reference from them and the output (4), which adam then reads instead of the update. No
+    copy: the conditional orders the in-place writes after every read of what they overwrite.
+    """
+    for kwargs, extra in (({}, 10), ({"add": 0.5, "mul": None}, 11), ({"min_value": None}, 10)):
         tx = optax.chain(optclip.clip_value_growth(**kwargs), optax.adam(1e-3))
         assert hlo.extra_passes(tx, optax.adam(1e-3)) == extra, kwargs

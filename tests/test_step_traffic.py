@@ -68,7 +68,7 @@ BUDGET = {
     "clip_norm_by_ema": 10,
     "normalize_by_ema": 6,
     "clip_value_by_ema": 11,
-    "clip_value_growth": 13,
+    "clip_value_growth": 11,
     # Per-row ranking: a bisection on the bits of |g| (31 rounds, each reads the bits and
     # writes and reads the comparison: XLA:CPU does not fuse a comparison into a reduction;
     # the comparison is bfloat16 flags, half a float32 pass each, counted here as whole ones),
