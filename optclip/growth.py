@@ -168,45 +168,45 @@ def clip_value_growth(
         ok = stats_lib.all_of([measured[i][0] for i in floats], axis_name)
 
         def step(i):
-            finite, _, limited = measured[i]
-            return _value_step(leaves[i], prevs[i], first, hp, limited | ~finite, steep, mild)
+            finite, ratio, limited = measured[i]
+            changed = limited | ~finite
+            if hp.mul is None:   # the same flag (a NaN ratio: a NaN update), now read after
+                changed = changed | jnp.isnan(ratio)    # the ratio's reduction (see below)
+            return _value_step(leaves[i], prevs[i], first, hp, changed, steep, mild)
 
-        ratios = [jnp.where(first, 1, measured[i][1]).astype(measured[i][1].dtype)
-                  for i in floats]
-        clipped = [measured[i][2] & ~first for i in floats]
-        old_fields = [treedef.flatten_up_to(f) for f in (state.max_ratio, state.clipped)]
-        kept = [[column[i] for i in floats] for column in old_fields]
         if _may_overflow(max_decay):    # a reference growing by 1 / max_decay per step
             stepped = {i: step(i) for i in floats}
             ok = ok & stats_lib.all_finite([stepped[i][1] for i in floats], axis_name)
             outs = [stepped[i][0] for i in floats]
-            news, ratios, clipped = stats_lib.keep_if(
-                ok, ([stepped[i][1] for i in floats], ratios, clipped),
-                ([prevs[i] for i in floats], *kept))
+            news = [jnp.where(ok, stepped[i][1], prevs[i]) for i in floats]
         else:
             # One lax.cond on the step's finiteness writes every reference (a held step
-            # hands the old ones back untouched) with the step's diagnostics. The outputs
-            # leave through it: they are computed where the reference is read, before it is
-            # written over, and the optimizer after this transform reads them instead of
-            # computing them again from the update and the old reference (XLA would then
-            # copy both first, to write the new reference over the donated buffer). The
-            # diagnostics enter it so that their reductions, too, read the old reference
-            # before it is written over.
+            # hands the old ones back untouched). The outputs leave through it: they are
+            # computed where the reference is read, before it is written over, and the
+            # optimizer after this transform reads them instead of computing them again from
+            # the update and the old reference (XLA would then copy both first, to write the
+            # new reference over the donated buffer). Both read the leaf's flag, so the
+            # reductions over the update and the old reference come before them too.
             def run():
                 stepped = [step(i) for i in floats]
-                return [o for o, _ in stepped], [n for _, n in stepped], ratios, clipped
+                return [o for o, _ in stepped], [n for _, n in stepped]
 
             def hold():
-                return [step(i)[0] for i in floats], [prevs[i] for i in floats], *kept
+                return [step(i)[0] for i in floats], [prevs[i] for i in floats]
 
-            outs, news, ratios, clipped = stats_lib.run_or_hold(ok, run, hold)
+            outs, news = stats_lib.run_or_hold(ok, run, hold)
         outputs, new_prev = list(leaves), list(prevs)
         for i, out, new_ref in zip(floats, outs, news):
             outputs[i], new_prev[i] = out, new_ref
+        ratios = {i: jnp.where(first, 1, measured[i][1]).astype(measured[i][1].dtype)
+                  for i in floats}
+        clipped = {i: measured[i][2] & ~first for i in floats}
+        fields = stats_lib.keep_if(ok, (trees.unflatten_at(treedef, ratios),
+                                        trees.unflatten_at(treedef, clipped)),
+                                   (state.max_ratio, state.clipped))
         new = ClipValueGrowthState(
             jnp.where(ok, optax.safe_increment(state.count), state.count),
-            treedef.unflatten(new_prev), trees.unflatten_at(treedef, dict(zip(floats, ratios))),
-            trees.unflatten_at(treedef, dict(zip(floats, clipped))),
+            treedef.unflatten(new_prev), *fields,
             stats_lib.count_nonfinite(state.nonfinite, ok))
         return treedef.unflatten(outputs), new
 
