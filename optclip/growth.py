@@ -152,11 +152,13 @@ def clip_value_growth(
         return stats_lib.own_buffers(ClipValueGrowthState(
             zero, prev, ratio, jax.tree.map(lambda r: jnp.zeros((), bool), ratio), zero))
 
-    def leaf_stats(x, prev, hp):
-        """``(finite, max ratio, limited somewhere)`` of one floating leaf."""
+    def leaves_stats(xs, prevs, hp):
+        """Per floating leaf, ``(finite, max ratio, limited somewhere)``."""
         if identity:
-            return (stats_lib.leaf_finite(x), jnp.ones((), prev.dtype), jnp.zeros((), bool))
-        return _value_stats(x, prev, hp, axis_name)
+            sums = norms.leaf_reductions(xs, stats_lib.nan_marks)
+            return [(t == 0, jnp.ones((), p.dtype), jnp.zeros((), bool))
+                    for t, p in zip(sums, prevs)]
+        return _values_stats(xs, prevs, hp, axis_name)
 
     def update_fn(updates, state, params=None):
         del params
@@ -164,7 +166,8 @@ def clip_value_growth(
         hp = _limits_at(state.count, add, mul, min_value, max_decay)
         leaves, (prevs,), treedef = trees.flatten_with(updates, state.prev)
         floats = [i for i, x in enumerate(leaves) if norms.is_float(x)]
-        measured = {i: leaf_stats(leaves[i], prevs[i], hp) for i in floats}
+        measured = dict(zip(floats, leaves_stats([leaves[i] for i in floats],
+                                                 [prevs[i] for i in floats], hp)))
         ok = stats_lib.all_of([measured[i][0] for i in floats], axis_name)
 
         def step(i):
@@ -253,31 +256,52 @@ def _value_limit(wide: jax.Array, prev: jax.Array, hp: _Limits, steep: bool = Fa
     return y, size, floor, excess
 
 
-def _value_stats(x: jax.Array, prev: jax.Array, hp: _Limits, axis_name: AxisName):
-    """``(finite, max ratio, limited somewhere)`` of one leaf, before anything is written.
+def _values_stats(xs: list[jax.Array], prevs: list[jax.Array], hp: _Limits,
+                  axis_name: AxisName) -> list[tuple]:
+    """Per leaf, ``(finite, max ratio, limited somewhere)``, before anything is written.
 
-    Two reductions, each reading the leaf's update and reference at most once: the largest
+    Two reductions per leaf, each reading its update and reference at most once: the largest
     growth ratio, and a sum that is NaN exactly when an update is not finite and otherwise
-    counts the elements the additive cap limits (``sum(x * 0)`` of the update without ``add``).
+    counts the elements the additive cap limits (``sum(x - x)`` of the update without
+    ``add``). Small leaves of one shape share each reduction (``norms.leaf_reductions``): one
+    kernel for them all instead of several per leaf (XLA:CPU splits a plain reduction of a
+    leaf into two kernels and writes its input out first).
     """
-    max_ratio = _max_ratio(x, prev, hp, axis_name)
-    limited = jnp.zeros((), bool)
-    if hp.mul is not None:     # ~(m <= mul): also where a NaN was kept in the maximum
-        limited = ~(max_ratio <= _const(hp.mul, max_ratio))
+    split = norms.split_axes(xs, axis_name)
+    maxima = norms.leaf_reductions(
+        [_ratios(x, p, hp) for x, p in zip(xs, prevs)], lambda r: r, "max")
     if hp.add is None:
-        return stats_lib.leaf_finite(norms.apart(x)), max_ratio, limited
+        sums = norms.leaf_reductions([norms.apart(x) for x in xs], stats_lib.nan_marks)
+    else:
+        sums = norms.leaf_reductions([_marked_excess(x, p, hp) for x, p in zip(xs, prevs)],
+                                     lambda t: t)
+    stats = []
+    for x, m, total, sp in zip(xs, maxima, sums, split):
+        ratio = jnp.maximum(jnp.maximum(norms.across(m, "max", sp), 0).astype(m.dtype),
+                            _const(_MIN_RATIO, m))
+        limited = jnp.zeros((), bool)
+        if hp.mul is not None:     # ~(m <= mul): also where a NaN was kept in the maximum
+            limited = ~(ratio <= _const(hp.mul, ratio))
+        if hp.add is None:
+            stats.append((total == 0, ratio, limited))
+        else:                      # ~(t <= 0): also where the sum is NaN
+            capped = norms.across((~(total <= 0)).astype(jnp.int32), "max", sp) > 0
+            stats.append((jnp.isfinite(total), ratio, limited | capped))
+    return stats
+
+
+def _marked_excess(x: jax.Array, prev: jax.Array, hp: _Limits) -> jax.Array:
+    """Per element, 1 where the additive cap limits the update, else 0; NaN where the update is
+    not finite (summed, :func:`_values_stats`'s flags)."""
     w, p, add, zero = norms.apart(x, prev, hp.add, jnp.zeros((), prev.dtype))
     w = w.astype(p.dtype)
     excess = jnp.maximum(jnp.abs(w) - jnp.abs(p), zero) - _const(add, w)
-    total = jnp.sum(w * zero + jnp.sign(jnp.maximum(excess, zero)))
-    split = norms.split_axes([x], axis_name)[0]   # ~(t <= 0): also where the sum is NaN
-    capped = norms.across((~(total <= 0)).astype(jnp.int32), "max", split) > 0
-    return jnp.isfinite(total), max_ratio, limited | capped
+    return w * zero + jnp.sign(jnp.maximum(excess, zero))
 
 
-def _max_ratio(x: jax.Array, prev: jax.Array, hp: _Limits, axis_name: AxisName) -> jax.Array:
-    """``max(max |y| / m, 1e-8)`` of one leaf (:func:`_value_limit`), from operations XLA:CPU's
-    reduction kernel fuses (no compare or select): the same values as the elementwise limit."""
+def _ratios(x: jax.Array, prev: jax.Array, hp: _Limits) -> jax.Array:
+    """``|y| / m`` per element (:func:`_value_limit`), from operations XLA:CPU's reduction
+    kernel fuses (no compare or select): the same values as the elementwise limit."""
     w, p, hp, zero, one = norms.apart(x, prev, hp, jnp.zeros((), prev.dtype),
                                       jnp.ones((), prev.dtype))
     w = w.astype(p.dtype)
@@ -287,11 +311,8 @@ def _max_ratio(x: jax.Array, prev: jax.Array, hp: _Limits, axis_name: AxisName) 
         excess = jnp.maximum(size - reference, zero) - _const(hp.add, w)
         size = jnp.abs(w - jnp.maximum(excess, zero) * jnp.sign(w))
     if hp.min_value is None:   # 0/0 (zero reference and update) has no ratio; torchzero
-        ratio = size / (reference + (one - jnp.sign(size)))   # leaves it alone: 0 / 1
-    else:
-        ratio = size / jnp.maximum(reference, _const(hp.min_value, w))
-    return jnp.maximum(norms.leaf_norm(ratio, float("inf"), axis_name).astype(
-        ratio.dtype), _const(_MIN_RATIO, ratio))
+        return size / (reference + (one - jnp.sign(size)))   # leaves it alone: 0 / 1
+    return size / jnp.maximum(reference, _const(hp.min_value, w))
 
 
 def _value_step(x: jax.Array, prev: jax.Array, first: jax.Array, hp: _Limits,

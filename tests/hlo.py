@@ -141,6 +141,63 @@ def traffic(tx: optax.GradientTransformation, tree) -> Traffic:
     return _traffic_of(entry, bodies, size)
 
 
+def kernels(text: str) -> int:
+    """Kernels of the optimized HLO module ``text`` that XLA:CPU runs as thunks: the
+    instructions of the entry computation that move data (not :data:`_FREE`), and those of
+    every conditional branch and loop body, each counted once.
+
+    XLA:CPU orders the thunks of each sequence (the entry, a branch, a loop body) by testing
+    every new one against those before it for buffer conflicts, so the time it takes grows
+    with the square of this count (on 1024 small leaves, a third of the compile time of a
+    transform with 12 kernels per leaf against adam's 3). Exact and free of timing noise.
+    """
+    bodies, entry = _computations(text)
+
+    def count(name: str) -> int:
+        total = 0
+        for line in bodies[name]:
+            match = _INSTRUCTION.match(line)
+            if not match or match.group(3) in _FREE:
+                continue
+            total += 1
+            attributes = match.group(5) or ""
+            if match.group(3) == "conditional":
+                total += sum(count(b) for b in
+                             _OPERAND.findall(_BRANCHES.search(attributes).group(1)))
+            elif match.group(3) in ("call", "while"):
+                total += count(_CALLS.search(attributes).group(1))
+        return total
+
+    return count(entry)
+
+
+# Leaf shapes of the compile-cost measures; ``make bench`` compiles trees that repeat them.
+SMALL_SHAPES = ((64, 32), (32,), (32, 64), (64,))
+
+
+def small_tree(leaves: int) -> dict:
+    """``leaves`` small float32 leaves of :data:`SMALL_SHAPES` in turn (shapes only)."""
+    return {f"p{i:04d}": jax.ShapeDtypeStruct(SMALL_SHAPES[i % len(SMALL_SHAPES)], jnp.float32)
+            for i in range(leaves)}
+
+
+def _kernels_on(tx: optax.GradientTransformation, leaves: int) -> int:
+    tree = small_tree(leaves)
+    state = jax.eval_shape(tx.init, tree)
+    return kernels(jax.jit(tx.update).lower(tree, state, tree).compile().as_text())
+
+
+def extra_kernels_per_leaf(tx: optax.GradientTransformation, base: optax.GradientTransformation,
+                           leaves: tuple[int, int] = (4, 16)) -> float:
+    """Kernels (:func:`kernels`) each added leaf of :func:`small_tree` brings to ``tx``'s step
+    beyond what it brings to ``base``'s, from trees of ``leaves`` leaves (the slope: what
+    the tree's size does not change cancels)."""
+    def slope(t: optax.GradientTransformation) -> float:
+        return (_kernels_on(t, leaves[1]) - _kernels_on(t, leaves[0])) / (leaves[1] - leaves[0])
+
+    return slope(tx) - slope(base)
+
+
 def loop_writes(text: str, size: int, innermost: bool = False) -> list[str]:
     """The element types of the arrays of at least ``size`` elements that the kernels inside
     the ``while`` loops of the optimized HLO ``text`` write (once per loop body, not per

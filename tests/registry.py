@@ -374,3 +374,9 @@ UNITWISE = [
 
 
 ALL_ENTRIES = [*CLIPPING, *EMA, *GROWTH, *HISTORY, *LP_SPACE, *SPIKES, *UNITWISE]
+
+# Wrappers of an optimizer, and the optimizer each wraps as the registry builds it: their step
+# costs are measured against it, not against chain(T, adam).
+WRAPPED = {"skip_spikes": lambda: optax.adam(1e-2), "spam_clip": lambda: optax.adam(1e-2),
+           "adamw_clip": lambda: optax.adamw(1e-2),
+           "stable_adamw_clip": lambda: optax.adam(1e-2)}

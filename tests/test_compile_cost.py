@@ -24,7 +24,9 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from tests.registry import ALL_ENTRIES, Entry
+from optclip._core import norms, slices
+from tests import hlo
+from tests.registry import ALL_ENTRIES, WRAPPED, Entry
 
 COPIES = 2            # copies of the entry's small tree (default: 2 leaves): 4 and 16 leaves
 GROWTH = 4            # leaf count ratio between the two trees
@@ -134,3 +136,72 @@ def test_distinct_kernels_per_leaf(entry):
         f"{entry.name}: {large - small} more distinct compiled kernels for {added} more leaves "
         f"({(large - small) / added:.1f} per leaf): a per-leaf computation differs from leaf "
         f"to leaf (reads entry j of a vector?), so XLA compiles it once per leaf")
+
+
+# Kernels each added leaf brings to chain(T, adam)'s step beyond adam's 3 (a wrapper's: to
+# the optimizer it wraps), on small leaves of the benchmark's shapes, per transform as the
+# registry builds it (tests/hlo.py: kernels), traced as on one device, as make bench runs
+# (this suite sees 8 CPU devices, where same-shape leaves are not reduced together). XLA:CPU
+# orders the kernels of a step by testing each against the ones before it, so this count is
+# the part of compile time that grows with the square of the leaf count: 0 where all leaves
+# of one shape share every kernel (global statistics, grouped reductions); per-leaf
+# diagnostics, per-leaf scalar decisions and per-leaf conditionals cost kernels of their own.
+# Exact: a change that adds kernels fails here, and one that saves some lowers the table.
+KERNEL_BUDGET = {
+    "clip_value": 2.33, "clip_norm": 3.58, "clip_by_global_norm": 0, "normalize": 5.08,
+    "centralize": 0.75, "zscore_normalize": 0.75, "clip_norm_by_ema": 11.92,
+    "normalize_by_ema": 4, "clip_value_by_ema": 1.83, "clip_value_growth": 8.33,
+    "clip_norm_growth": -0.17, "hist_clip": 0, "param_hist_clip": 1, "zclip": 0,
+    "quantile_clip": 1, "standard_clip": 0, "sign": 0, "l1_normalize": 8.75,
+    "l2_normalize": 15.42, "top_q": 17.42, "l1q_normalize": 12.25, "clamp": 4.83,
+    "project_l2_ball": 11.17, "project_linf_ball": 4.83, "clamp_params": 4.83,
+    "frank_wolfe": -0.17, "l1_frank_wolfe": 2.83, "l2_frank_wolfe": 12.42,
+    "linf_frank_wolfe": -0.17, "l1q_frank_wolfe": 19.92, "skip_spikes": 4, "adagc": 0,
+    "spam_clip": 2.83, "adamw_clip": 2.83, "stable_adamw_clip": 8.83,
+    "adaptive_grad_clip": 9.83,
+}
+
+
+def test_every_transform_has_a_kernel_budget():
+    assert set(KERNEL_BUDGET) == {entry.name for entry in ALL_ENTRIES}
+
+
+def test_kernel_count_measure():
+    """adam: 3 kernels per leaf (two moment updates, the update), the identity 1 (a copy of
+    the leaf: the inputs are not donated); a reduction per leaf adds kernels, and so do the
+    kernels inside a conditional's branches."""
+    adam = optax.adam(1e-3)
+    assert hlo.extra_kernels_per_leaf(adam, optax.identity()) == 2
+
+    def per_leaf_gate(updates, state, params=None):
+        return jax.tree.map(lambda g: jnp.where(jnp.sum(g) > 0, g, 0), updates), state
+
+    def gated_by_cond(updates, state, params=None):
+        ok = jnp.sum(jax.tree.leaves(updates)[0]) > 0
+        return jax.lax.cond(ok, lambda: jax.tree.map(lambda g: g * 2, updates),
+                            lambda: updates), state
+
+    per_leaf = optax.GradientTransformation(optax.identity().init, per_leaf_gate)
+    assert hlo.extra_kernels_per_leaf(optax.chain(per_leaf, adam), adam) >= 1
+    gated = optax.GradientTransformation(optax.identity().init, gated_by_cond)
+    assert hlo.extra_kernels_per_leaf(optax.chain(gated, adam), adam) >= 1
+
+
+@pytest.mark.skipif(not hlo.recorded_xla(), reason=f"exact kernel counts of jaxlib "
+                    f"{hlo.RECORDED_JAXLIB}'s XLA; checked by the main pins of make test")
+@pytest.mark.parametrize("entry", ALL_ENTRIES, ids=str)
+def test_kernels_per_leaf_match_budget(entry, monkeypatch):
+    monkeypatch.setattr(norms, "_may_group", lambda: True)
+    monkeypatch.setattr(slices, "single_cpu_device", lambda: True)
+    if entry.name in WRAPPED:
+        tx, base = entry.make(), WRAPPED[entry.name]()
+    else:
+        tx, base = optax.chain(entry.make(), optax.adam(1e-3)), optax.adam(1e-3)
+    extra = round(hlo.extra_kernels_per_leaf(tx, base), 2)
+    budget = KERNEL_BUDGET[entry.name]
+    assert extra == budget, (
+        f"{entry.name}: each added leaf brings {extra} kernels beyond adam's to the step, the "
+        f"budget is {budget}: " + (
+            "kernels were added (a per-leaf scalar computed apart? a per-leaf select of a "
+            "diagnostic? a per-leaf conditional?); XLA:CPU's compile time grows with their "
+            "square" if extra > budget else "kernels were saved: lower the budget"))

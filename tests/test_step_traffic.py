@@ -28,16 +28,11 @@ import optclip
 from optclip._core import norms, slices
 from tests import hlo
 from tests.hlo import LARGE, RECORDED_JAXLIB, TREE, Traffic, extra_passes, recorded_xla, traffic
-from tests.registry import ALL_ENTRIES, Entry
+from tests.registry import ALL_ENTRIES, WRAPPED, Entry
 
 pytestmark = pytest.mark.skipif(
     not recorded_xla(), reason=f"exact pass counts of jaxlib {RECORDED_JAXLIB}'s XLA (older "
     "XLA:CPU versions fuse reductions differently); checked by the main pins of make test")
-
-# Wrappers of an optimizer: measured against the optimizer they wrap (as built in the registry).
-WRAPPED = {"skip_spikes": lambda: optax.adam(1e-2), "spam_clip": lambda: optax.adam(1e-2),
-           "adamw_clip": lambda: optax.adamw(1e-2),
-           "stable_adamw_clip": lambda: optax.adam(1e-2)}
 
 # Passes per large leaf beyond adam's, per transform as the registry builds it.
 BUDGET = {
