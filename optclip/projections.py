@@ -234,8 +234,9 @@ def _box_projection(name: str, state_cls: type, bounds, axis_name: norms.AxisNam
 
     def measure(build, at):
         targets = build(True)
-        excess = [slices.excess(x, *at) if norms.is_float(x) else None
-                  for x in jax.tree.leaves(targets)]
+        leaves = jax.tree.leaves(targets)
+        sums = iter(slices.excesses([x for x in leaves if norms.is_float(x)], *at))
+        excess = [next(sums) if norms.is_float(x) else None for x in leaves]
         moved = [None if e is None else norms.any_true(e != 0, axis_name) for e in excess]
         flags = [~jnp.isnan(e) for e in excess if e is not None]
         return (jax.tree.structure(targets).unflatten(moved),), flags, None

@@ -688,10 +688,12 @@ def clamped_leaves(tree: Any, low: Any, high: Any, axis_name: norms.AxisName
     exactly when some element is not finite. ``moved`` is only meaningful on a finite step
     (where it is not, the step is not committed). The clamp waits for the check: with donated
     gradients XLA would otherwise copy every leaf to keep it for the reductions."""
-    sums = norms.float_map(lambda x: excess(x, low, high), tree)
-    moved = jax.tree.map(lambda x, s: norms.any_true(s != 0, axis_name)
-                         if norms.is_float(x) else None, tree, sums)
-    finite = stats.all_of([~jnp.isnan(s) for s in norms.float_leaves(sums)], axis_name)
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: x is None)
+    floats = [i for i, x in enumerate(leaves) if norms.is_float(x)]
+    sums = dict(zip(floats, excesses([leaves[i] for i in floats], low, high)))
+    moved = treedef.unflatten([norms.any_true(sums[i] != 0, axis_name) if i in sums else None
+                               for i in range(len(leaves))])
+    finite = stats.all_of([~jnp.isnan(s) for s in sums.values()], axis_name)
     low, high = stats.after(finite, (low, high))
     return norms.float_map(lambda x: clip(x, low, high), tree), moved, finite
 
@@ -703,6 +705,18 @@ def excess(x: jax.Array, low: Any, high: Any) -> jax.Array:
     XLA:CPU fuses into a single read (a comparison would write a mask out first). Under
     flush-to-zero, a difference from a bound below ``2**-126`` counts as none, as it does for
     the clamp itself."""
+    return excesses([x], low, high)[0]
+
+
+def excesses(arrays: list[jax.Array], low: Any, high: Any) -> list[jax.Array]:
+    """:func:`excess` of each of ``arrays``; small arrays of one shape share one reduction
+    (``norms.leaf_reductions``: one kernel for them all, where a reduction per array costs
+    XLA:CPU up to three, its input written out and the sum split in two)."""
+    return norms.leaf_reductions(arrays, lambda x: _excess_terms(x, low, high))
+
+
+def _excess_terms(x: jax.Array, low: Any, high: Any) -> jax.Array:
+    """The summands of :func:`excess`, in the wide dtype."""
     # The bounds and the zero pass through a barrier with the leaf (norms.apart).
     bounds = [None if b is None else jnp.asarray(b).astype(x.dtype) for b in (low, high)]
     x, (low, high), zero = norms.apart(x, bounds, jnp.zeros((), x.dtype))
@@ -711,7 +725,7 @@ def excess(x: jax.Array, low: Any, high: Any) -> jax.Array:
         terms = terms + jnp.maximum(x - high, zero)
     if low is not None:
         terms = terms + jnp.maximum(low - x, zero)
-    return jnp.sum(terms, dtype=norms.acc_dtype(x.dtype))
+    return terms.astype(norms.acc_dtype(x.dtype))
 
 
 def clip(x: jax.Array, low: Any, high: Any) -> jax.Array:
