@@ -276,7 +276,7 @@ def _values_stats(xs: list[jax.Array], prevs: list[jax.Array], hp: _Limits,
         sums = norms.leaf_reductions([_marked_excess(x, p, hp) for x, p in zip(xs, prevs)],
                                      lambda t: t)
     stats = []
-    for x, m, total, sp in zip(xs, maxima, sums, split):
+    for m, total, sp in zip(maxima, sums, split):
         ratio = jnp.maximum(jnp.maximum(norms.across(m, "max", sp), 0).astype(m.dtype),
                             _const(_MIN_RATIO, m))
         limited = jnp.zeros((), bool)
