@@ -177,9 +177,16 @@ def adaptive_grad_clip(
         split = norms.split_axes([g for g, _, _ in slices_], axis_name)
         unit_norms = norms.slice_l2_norms([(x, axes, sp) for (g, p, axes), sp in zip(slices_, split)
                                            for x in (g, p)])
+        clipped = [_clip_leaf(g, unit_norms[2 * k], unit_norms[2 * k + 1], bound, eps)
+                   for k, (g, _, _) in enumerate(slices_)]
+        # The per-leaf statistics of the unit norms: same-shape leaves share each reduction
+        # (one kernel for them all instead of one or more per leaf).
+        peaks = norms.leaf_reductions([c[1] for c in clipped], lambda r: r, "max")
+        hits = norms.leaf_reductions([c[2] for c in clipped], lambda h: h)
         results = dict(zip(floats, (
-            _clip_leaf(g, unit_norms[2 * k], unit_norms[2 * k + 1], bound, eps)
-            for k, (g, _, _) in enumerate(slices_))))
+            (out, jnp.maximum(peak, 0).astype(ratio.dtype),
+             total / max(ratio.size, 1), jnp.isfinite(total))
+            for (out, ratio, _), peak, total in zip(clipped, peaks, hits))))
         outs = [results.get(i, (g, None, None, None)) for i, g in enumerate(leaves)]
         finite = stats_lib.all_of([r[3] for r in results.values()])
         return (*(treedef.unflatten([r[n] for r in outs]) for n in range(3)), finite)
@@ -212,14 +219,14 @@ def _unit_axes(g: jax.Array, leaf_dim: Any) -> tuple[int, ...]:
 
 
 def _clip_leaf(g: jax.Array, g_norm: jax.Array, w_norm: jax.Array, bound: jax.Array,
-               eps: float) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """``(clipped g, max ratio, clipped fraction, finite)`` for one float leaf from its unit
-    norms (``finite``: every unit norm of ``g`` is finite)."""
+               eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(clipped g, unit ratios, unit hits)`` for one float leaf from its unit norms: the
+    ratios' maximum is the leaf's max ratio, and the hits sum to the number of clipped units
+    (NaN exactly where a unit norm of ``g`` is not finite)."""
     w_norm = w_norm.astype(g_norm.dtype)
     floor = jnp.maximum(w_norm, jnp.asarray(eps, g_norm.dtype))
     allowed = bound.astype(g_norm.dtype) * floor
     out = norms.scale(g, slices.clip_multiplier(g_norm, allowed))
     ratio = g_norm / floor
     # One sum counts the clipped units and sees a non-finite norm (``norm * 0`` is NaN there).
-    hits = jnp.sum((g_norm > allowed).astype(g_norm.dtype) + g_norm * 0)
-    return out, jnp.max(ratio, initial=0), hits / max(g_norm.size, 1), jnp.isfinite(hits)
+    return out, ratio, (g_norm > allowed).astype(g_norm.dtype) + g_norm * 0
