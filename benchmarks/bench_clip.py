@@ -488,7 +488,7 @@ def render_markdown(results: dict) -> str:
         "  branches and loop bodies) that each added leaf brings to the compiled step of",
         "  `chain(T, adam)` beyond adam's own 3, counted exactly in the optimized HLO on 4 and",
         "  16 leaves of the shapes above (0: every leaf of one shape shares the transform's",
-        "  kernels). XLA:CPU orders the kernels of a step by testing each new one against",
+        "  kernels; below 0: the chain merges one of adam's per-leaf kernels away). XLA:CPU orders the kernels of a step by testing each new one against",
         "  those before it for buffer conflicts, so this part of the compile time grows with",
         "  the square of the kernel count: on 1024 leaves (perf samples) it took about a third",
         "  of the compile time of `adaptive_grad_clip` (about 12 kernels per leaf with adam's)",
