@@ -277,8 +277,7 @@ def _values_stats(xs: list[jax.Array], prevs: list[jax.Array], hp: _Limits,
                                      lambda t: t)
     stats = []
     for m, total, sp in zip(maxima, sums, split):
-        ratio = jnp.maximum(jnp.maximum(norms.across(m, "max", sp), 0).astype(m.dtype),
-                            _const(_MIN_RATIO, m))
+        ratio = jnp.maximum(norms.across(m, "max", sp), _const(_MIN_RATIO, m))
         limited = jnp.zeros((), bool)
         if hp.mul is not None:     # ~(m <= mul): also where a NaN was kept in the maximum
             limited = ~(ratio <= _const(hp.mul, ratio))

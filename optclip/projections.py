@@ -234,11 +234,7 @@ def _box_projection(name: str, state_cls: type, bounds, axis_name: norms.AxisNam
 
     def measure(build, at):
         targets = build(True)
-        leaves = jax.tree.leaves(targets)
-        sums = iter(slices.excesses([x for x in leaves if norms.is_float(x)], *at))
-        excess = [next(sums) if norms.is_float(x) else None for x in leaves]
-        moved = [None if e is None else norms.any_true(e != 0, axis_name) for e in excess]
-        flags = [~jnp.isnan(e) for e in excess if e is not None]
+        moved, flags = slices.excess_flags(jax.tree.leaves(targets), *at, axis_name)
         return (jax.tree.structure(targets).unflatten(moved),), flags, None
 
     def apply(targets, at, measured):

@@ -684,39 +684,44 @@ def clamped_leaves(tree: Any, low: Any, high: Any, axis_name: norms.AxisName
     """``(clip(tree, low, high), moved, finite)``: with ``moved`` per float leaf (whether any
     element changed, on any device along ``axis_name``; ``None`` for other leaves) and whether
     every float element is finite (on every device along ``axis_name``), from one reduction of
-    each leaf, :func:`excess`: it is non-zero exactly when some element was moved, and NaN
+    each leaf (:func:`excesses`): it is non-zero exactly when some element was moved, and NaN
     exactly when some element is not finite. ``moved`` is only meaningful on a finite step
     (where it is not, the step is not committed). The clamp waits for the check: with donated
     gradients XLA would otherwise copy every leaf to keep it for the reductions."""
     leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: x is None)
-    floats = [i for i, x in enumerate(leaves) if norms.is_float(x)]
-    sums = dict(zip(floats, excesses([leaves[i] for i in floats], low, high)))
-    moved = treedef.unflatten([norms.any_true(sums[i] != 0, axis_name) if i in sums else None
-                               for i in range(len(leaves))])
-    finite = stats.all_of([~jnp.isnan(s) for s in sums.values()], axis_name)
+    moved, flags = excess_flags(leaves, low, high, axis_name)
+    finite = stats.all_of(flags, axis_name)
+    moved = treedef.unflatten(moved)
     low, high = stats.after(finite, (low, high))
     return norms.float_map(lambda x: clip(x, low, high), tree), moved, finite
 
 
-def excess(x: jax.Array, low: Any, high: Any) -> jax.Array:
-    """``Σ (max(x - high, 0) + max(low - x, 0) + (x - x))`` in the wide dtype (``None``: no bound):
-    positive (``inf`` included) exactly when some element lies outside ``[low, high]``, NaN
-    exactly when some element is NaN or infinite. One reduction of arithmetic only, which
-    XLA:CPU fuses into a single read (a comparison would write a mask out first). Under
-    flush-to-zero, a difference from a bound below ``2**-126`` counts as none, as it does for
-    the clamp itself."""
-    return excesses([x], low, high)[0]
-
-
 def excesses(arrays: list[jax.Array], low: Any, high: Any) -> list[jax.Array]:
-    """:func:`excess` of each of ``arrays``; small arrays of one shape share one reduction
-    (``norms.leaf_reductions``: one kernel for them all, where a reduction per array costs
-    XLA:CPU up to three, its input written out and the sum split in two)."""
+    """Per array, ``Σ (max(x - high, 0) + max(low - x, 0) + (x - x))`` in the wide dtype
+    (``None``: no bound): positive (``inf`` included) exactly when some element lies outside
+    ``[low, high]``, NaN exactly when some element is NaN or infinite. One reduction of
+    arithmetic only, which XLA:CPU fuses into a single read (a comparison would write a mask
+    out first); small arrays of one shape share it (``norms.leaf_reductions``: one kernel for
+    them all, where a reduction per array costs XLA:CPU up to three, its input written out and
+    the sum split in two). Under flush-to-zero, a difference from a bound below ``2**-126``
+    counts as none, as it does for the clamp itself."""
     return norms.leaf_reductions(arrays, lambda x: _excess_terms(x, low, high))
 
 
+def excess_flags(leaves: list, low: Any, high: Any, axis_name: norms.AxisName
+                 ) -> tuple[list, list]:
+    """From one :func:`excesses` sum per float leaf of ``leaves``: per leaf whether any element
+    lies outside ``[low, high]`` on any device along ``axis_name`` (``None`` for the other
+    leaves; meaningful on a finite step only), and per float leaf whether every element on
+    this device is finite."""
+    sums = iter(excesses([x for x in leaves if norms.is_float(x)], low, high))
+    excess = [next(sums) if norms.is_float(x) else None for x in leaves]
+    return ([None if e is None else norms.any_true(e != 0, axis_name) for e in excess],
+            [~jnp.isnan(e) for e in excess if e is not None])
+
+
 def _excess_terms(x: jax.Array, low: Any, high: Any) -> jax.Array:
-    """The summands of :func:`excess`, in the wide dtype."""
+    """The summands of :func:`excesses`, in the wide dtype."""
     # The bounds and the zero pass through a barrier with the leaf (norms.apart).
     bounds = [None if b is None else jnp.asarray(b).astype(x.dtype) for b in (low, high)]
     x, (low, high), zero = norms.apart(x, bounds, jnp.zeros((), x.dtype))
