@@ -1,11 +1,24 @@
-"""Root configuration (doctests in optclip/ too): 8 host CPU devices, hypothesis profiles."""
+"""Root configuration (doctests in optclip/ too): 8 host CPU devices, a persistent compilation
+cache, hypothesis profiles."""
 
 import os
 
 # Must happen before jax is imported anywhere.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import jax  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+
+# Compiling is most of the suite's time. Every compiled step goes to a cache on disk that both
+# xdist workers share: a step that another test (or worker, or an earlier run) has compiled is
+# read back instead of compiled again. Keyed on the lowered program, the compile options and
+# the jax/jaxlib versions, so changed code or the floor pins never read a stale entry; compiled
+# HLO text, which the cost tests read, comes back with a cached executable.
+jax.config.update("jax_compilation_cache_dir", os.environ.get(
+    "OPTCLIP_TEST_JAX_CACHE", os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                           ".jax_cache")))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 settings.register_profile(
     "ci", max_examples=20, deadline=None, derandomize=True,
