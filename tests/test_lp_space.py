@@ -1120,6 +1120,51 @@ def test_top_q_ranked_in_groups_matches_one_group(monkeypatch):
         np.testing.assert_array_equal(grouped[name], joint[name])
 
 
+# Magnitudes that tie, cross the zero, overflow, underflow and are not numbers.
+_RANK_VALUES = [0.0, -0.0, 1.0, -1.0, 2.0, 0.5, 1e-45, -3e38, np.inf, -np.inf, np.nan]
+
+
+def test_ranking_by_blocks_keeps_the_oracles_entries_whatever_the_values():
+    """The search by blocks of rows stops once every row of a block is settled (exactly k
+    entries at or above its cut, or a cut one bit pattern wide) and keeps every zero of a row
+    with fewer than k non-zero entries: on rows drawn from ties, signed zeros, subnormals,
+    infinities and NaN, with every k from 0 to the row's length, the outputs are the oracle's
+    (ties to the lowest index, NaN largest), bit for bit up to the sign of a zero."""
+    from hypothesis.extra.numpy import arrays
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(slices_lib, "single_cpu_device", lambda: True)   # the suite has 8
+        patch.setattr(slices_lib, "RANK_BLOCK_ENTRIES", 12)
+        assert slices_lib._block_rows(jnp.zeros((12, 6))) == 2       # 6 blocks of 2 rows
+        ranked = jax.jit(lambda g, k: slices_lib.top_q_kept(g, (1,), k))
+
+        @given(arrays(F32, (12, 6), elements=st.sampled_from(_RANK_VALUES)),
+               st.integers(0, 6), st.randoms(use_true_random=False))
+        def check(g, k, random):
+            # Half the rows distinct random values: rows that settle early next to rows that
+            # need the whole search and the tie-break.
+            for row in random.sample(range(12), 6):
+                g[row] = np.asarray([random.uniform(-4, 4) for _ in range(6)], F32)
+            np.testing.assert_array_equal(ranked(g, jnp.int32(k)), _top_k_oracle(g, k))
+
+        check()
+
+
+@pytest.mark.parametrize("blocks", [False, True], ids=["whole", "blocks"])
+def test_a_subnormal_outranks_zeros(monkeypatch, blocks):
+    """The ranking reads magnitudes as integer bit patterns: a subnormal (which a fused float
+    comparison on a CPU reads as 0) ranks above the zeros of its row and below 1.0."""
+    monkeypatch.setattr(slices_lib, "single_cpu_device", lambda: True)   # the suite has 8
+    monkeypatch.setattr(slices_lib, "RANK_BLOCK_ENTRIES", 12 if blocks else 1 << 30)
+    g = np.zeros((4, 6), F32)
+    g[:, 1], g[:, 3], g[2, 5] = 1e-45, -1e-40, 1.0
+    for q, kept in ((0.8, 1), (0.6, 2)):         # k = 1, then 2
+        out = jax.jit(optclip.top_q(q).update)(g, optclip.top_q(q).init(g))[0]
+        want = _top_k_oracle(g, kept)
+        np.testing.assert_array_equal(out, want)
+        assert np.count_nonzero(want[0]) == kept and np.count_nonzero(want[2]) == kept
+
+
 @pytest.mark.parametrize("dq", [0.0, 0.2], ids=["fixed_k", "drawn_k"])
 def test_top_q_ranked_by_blocks_of_rows_matches_the_oracle(monkeypatch, dq):
     """With blocks of 12 entries, the (7, 5) leaf is ranked in 4 blocks of 2 rows, the last
