@@ -457,6 +457,16 @@ def render_markdown(results: dict) -> str:
                   f"cores; jax {u['jax']}; `{update['command']}`): "
                   + ", ".join(f"`{n}`" for n in update["names"]) + ". The other rows come "
                   "from the full run above.", ""]
+    if not c.get("fresh_gradients"):
+        # A full run made before every step got the same gradients.
+        lines += [
+            "The full run above fed each step the previous step's updates as its gradients",
+            "(so did the rows measured again before 2026-11-27); the rows measured again since",
+            "step on the same gradients every time. The top-q rows then ranked adam's outputs",
+            "(all about lr in size, often equal), whose tie-break slowed them; for the other",
+            "transforms the two agree within the noise (fresh / fed back, one process, 2-core",
+            "CPU: `clip_by_global_norm` 1.10 / 1.12, `clip_value` 1.38 / 1.40,",
+            "`clip_norm_by_ema` 1.94 / 1.90, `zclip` 1.14 / 1.18 ×adam).", ""]
     gpt2 = c["step_tree"]
     lines += [
         "## Every transform",
@@ -674,6 +684,7 @@ def main(argv=None):
         "config": {"leaves": args.leaves, "all_up_to": args.all_up_to, "big_only": args.big_only,
                    "big_note": big_note, "rounds": args.rounds, "steps": args.steps,
                    "step_tree": step_tree, "quick": args.quick,
+                   "fresh_gradients": True,
                    "partial": " ".join(partial) or None,
                    "command": "python benchmarks/bench_clip.py " + " ".join(
                        sys.argv[1:] if argv is None else argv)},
