@@ -342,13 +342,13 @@ def _row_cuts(bits: list, ks: list, settle: bool = False) -> tuple[list, list]:
     zeros = [jnp.zeros_like(b[..., :1]) for b in bits]
     sizes = [b.shape[-1] for b in bits]
     every = [(z + n).astype(_count_dtype(n)) for z, n in zip(zeros, sizes)]
-    tops = [int(np.asarray(np.inf, _float_of(b)).view(b.dtype)) + 1 for b in bits]
     if settle:
         (b,), (k,) = bits, ks
-        kth, at_least = (list(found) for found in zip(_settled_cut(b, k)))
+        cut, at_cut = _settled_cut(b, k)
+        kth, at_least = [cut], [at_cut]
     else:
         # The largest bit pattern with at least k entries at or above it: the k-th largest.
-        kth, at_least = _largest(zeros, tops,
+        kth, at_least = _largest(zeros, [_inf_bits(b) + 1 for b in bits],
                                  [functools.partial(_at_or_above, b) for b in bits], ks, every)
     # A row whose k-th largest magnitude is 0 keeps every zero: that changes no output.
     exact = [jnp.all((a == k.astype(a.dtype)) | (t == 0)) for a, k, t in zip(at_least, ks, kth)]
@@ -383,7 +383,6 @@ def _settled_cut(bits: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
     """
     wanted = k.astype(_count_dtype(bits.shape[-1]))
     zero = jnp.zeros_like(bits[..., :1])
-    top = int(np.asarray(np.inf, _float_of(bits)).view(bits.dtype)) + 1
 
     def halve(low, high, at_low, middle):
         at_middle = _at_or_above(bits, middle)
@@ -407,7 +406,7 @@ def _settled_cut(bits: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
                                   jnp.where(r == 0, low + 1, middle(low, high)))
         return r + 1, *halve(low, high, at_low, middle(low, high))
 
-    start = (jnp.asarray(0, jnp.int32), zero, zero + top,
+    start = (jnp.asarray(0, jnp.int32), zero, zero + _inf_bits(bits) + 1,
              (zero + bits.shape[-1]).astype(wanted.dtype))
     _, low, _, at_low = jax.lax.while_loop(unsettled, rounds, start)
     return low, at_low
@@ -481,6 +480,12 @@ def _float_of(bits: jax.Array):
     return np.float64 if bits.dtype == jnp.int64 else np.float32
 
 
+def _inf_bits(bits: jax.Array) -> int:
+    """The bit pattern of ``inf`` in the float type whose bits ``bits`` holds: the largest
+    magnitude :func:`magnitude_bits` gives (NaN's included)."""
+    return int(np.asarray(np.inf, _float_of(bits)).view(bits.dtype))
+
+
 def magnitude_bits(g: jax.Array) -> jax.Array:
     """The bits of ``|g|`` (NaN ranked as the largest, ``inf``) in the accumulation dtype, as
     signed integers: non-negative floats order like their bit patterns.
@@ -491,8 +496,8 @@ def magnitude_bits(g: jax.Array) -> jax.Array:
     wide = g.astype(norms.acc_dtype(g.dtype))
     bits = jax.lax.bitcast_convert_type(wide, norms.int_type(wide.dtype))
     ones = np.iinfo(bits.dtype).max            # every bit but the sign
-    inf = int(np.asarray(np.inf, wide.dtype).view(bits.dtype))
-    return jnp.minimum(bits & jnp.asarray(ones, bits.dtype), jnp.asarray(inf, bits.dtype))
+    return jnp.minimum(bits & jnp.asarray(ones, bits.dtype),
+                       jnp.asarray(_inf_bits(bits), bits.dtype))
 
 
 def _row_count(flags: jax.Array) -> jax.Array:
@@ -569,7 +574,7 @@ def split_top_k(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array,
     """
     bits = magnitude_bits(g)
     k = jnp.asarray(k, jnp.int32)
-    top = int(np.asarray(np.inf, _float_of(bits)).view(bits.dtype)) + 1
+    top = _inf_bits(bits) + 1
 
     def halve(_, bounds):
         low, high = bounds
