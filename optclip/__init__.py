@@ -7,6 +7,7 @@ Every transform composes with ``optax.chain``::
 and ``optclip.stats(opt_state)`` returns what a training loop wants to log.
 """
 
+from optclip._core.leafvec import per_leaf
 from optclip._core.stats import stats
 from optclip.adagc import adagc
 from optclip.autoclip import quantile_clip, standard_clip
@@ -50,6 +51,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "stats",
+    "per_leaf",
     # stateless (clipping.py)
     "centralize",
     "clip_by_global_norm",

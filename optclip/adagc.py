@@ -13,10 +13,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from optclip._core import checks, handout, norms, trees
+from optclip._core import checks, handout, leafvec, norms
 from optclip._core import stats as stats_lib
 
 __all__ = ["AdaGCState", "adagc"]
@@ -26,10 +25,11 @@ __all__ = ["AdaGCState", "adagc"]
                       per_leaf=("norm", "gamma", "scale", "clipped"))
 class AdaGCState(NamedTuple):
     count: jax.Array      # int32 finite steps so far (warm-up while < warmup_steps)
-    gamma: Any            # per leaf: EMA (after warm-up) or minimum (warm-up) of clipped norms
-    norm: Any             # per leaf: last pre-clip norm
-    scale: Any            # per leaf: factor applied at the last step
-    clipped: Any          # per leaf: bool, scale < 1
+    gamma: jax.Array      # (F,) per leaf: EMA (after warm-up) or minimum (warm-up) of the
+                          # clipped norms
+    norm: jax.Array       # (F,) per leaf: last pre-clip norm
+    scale: jax.Array      # (F,) per leaf: factor applied at the last step
+    clipped: jax.Array    # (F,) per leaf: bool, scale < 1
     nonfinite: jax.Array  # int32 steps with a NaN/Inf gradient (state left unchanged)
 
 
@@ -72,8 +72,9 @@ def adagc(
         ``jax.jit`` with sharded arrays.
 
     Returns:
-      An ``optax.GradientTransformation``. Its state keeps one scalar per leaf; ``optclip.stats``
-      reports ``adagc/norm_max``, ``norm_mean``, ``gamma_max``, ``gamma_mean``, ``scale_max``,
+      An ``optax.GradientTransformation``. Its state keeps one scalar per leaf, each field as
+      one vector over the floating leaves (``gamma``, ``norm``, ``scale``, ``clipped``;
+      :func:`optclip.per_leaf` gives a tree); ``optclip.stats`` reports ``adagc/norm_max``, ``norm_mean``, ``gamma_max``, ``gamma_mean``, ``scale_max``,
       ``scale_mean``, ``clipped_frac``, ``count`` and ``nonfinite``.
 
     References:
@@ -103,10 +104,9 @@ def adagc(
 
     def init_fn(params):
         return AdaGCState(
-            count=jnp.zeros((), jnp.int32), gamma=trees.scalars_like(params, 0.0),
-            norm=trees.scalars_like(params, 0.0), scale=trees.scalars_like(params, 1.0),
-            clipped=trees.scalars_like(params, False, jnp.bool_),
-            nonfinite=jnp.zeros((), jnp.int32))
+            count=jnp.zeros((), jnp.int32), gamma=leafvec.full(params, 0.0),
+            norm=leafvec.full(params, 0.0), scale=leafvec.full(params, 1.0),
+            clipped=leafvec.full(params, False, jnp.bool_), nonfinite=jnp.zeros((), jnp.int32))
 
     def update_fn(updates, state, params=None):
         del params
@@ -119,23 +119,22 @@ def adagc(
                      jnp.minimum(1.0, abs_thresh / (global_norm + eps)), lambda_rel, beta, eps)
         # A NaN/Inf anywhere makes the global norm non-finite: no separate pass to find it.
         finite = jnp.isfinite(global_norm)
-        outputs, fields = list(leaves), {name: [None] * len(leaves) for name in _PER_LEAF}
-        for idx, norm in _dtype_groups(leaves, floats, vector):
-            old = {name: norms.gather_scalars([treedef.flatten_up_to(getattr(state, name))[i]
-                                               for i in idx]) for name in _PER_LEAF}
-            scale, gamma = _decide(norm, old["gamma"], rule)
-            new = {"gamma": gamma, "norm": norm, "scale": scale, "clipped": scale < 1}
-            committed = [jnp.where(finite, new[name], old[name]) for name in _PER_LEAF]
-            for i, (factor, *row) in zip(idx, handout.rows((scale, *committed))):
+        outputs, fields = list(leaves), {name: [] for name in _PER_LEAF}
+        group_list = leafvec.groups(leaves)
+        for group in group_list:   # each leaf's numbers in its own statistics dtype
+            norm = leafvec.take(vector, group)
+            scale, gamma = _decide(norm, leafvec.take(state.gamma, group), rule)
+            for name, value in zip(_PER_LEAF, (gamma, norm, scale, scale < 1)):
+                fields[name].append(value)
+            for i, (factor,) in zip(group.leaves, handout.rows((scale,))):
                 outputs[i] = norms.scale(leaves[i], factor)
-                for name, value in zip(_PER_LEAF, row):
-                    fields[name][i] = value
+        committed = {name: jnp.where(finite, leafvec.assemble(parts, group_list, old), old)
+                     for name, parts in fields.items() for old in [getattr(state, name)]}
         return treedef.unflatten(outputs), AdaGCState(
             count=jnp.where(finite, count + 1, count),
-            nonfinite=stats_lib.count_nonfinite(state.nonfinite, finite),
-            **{name: treedef.unflatten(v) for name, v in fields.items()})
+            nonfinite=stats_lib.count_nonfinite(state.nonfinite, finite), **committed)
 
-    return checks.transformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn, pairs_leaves=True)
 
 
 # The per-leaf state fields, in the order they are handed out.
@@ -181,16 +180,3 @@ def _norms(leaves: list[jax.Array], updates: Any, axis_name: norms.AxisName
     unit = jnp.where((peak > 0) & jnp.isfinite(peak), peak, jnp.ones_like(peak))
     total = unit * norms.safe_sqrt(jnp.sum(jnp.square(vector / unit)))
     return vector, total
-
-
-def _dtype_groups(leaves: list[Any], floats: list[int], vector: jax.Array
-                  ) -> list[tuple[list[int], jax.Array]]:
-    """The floating leaves by statistics dtype: per dtype, the leaves' indices and their
-    entries of ``vector`` in that dtype (the dtype of their state)."""
-    groups = handout.by_dtype({i: norms.acc_dtype(leaves[i].dtype) for i in floats})
-    if len(groups) == 1:
-        (dtype, idx), = groups.items()
-        return [(idx, vector.astype(dtype))]
-    position = {i: n for n, i in enumerate(floats)}
-    return [(idx, vector[np.array([position[i] for i in idx])].astype(dtype))
-            for dtype, idx in groups.items()]

@@ -155,12 +155,18 @@ def arrays(tree: Any) -> Any:
 
 
 def transformation(init_fn: Callable[[Any], Any], update_fn: Callable[..., Any], *,
-                   extra_args: bool = False) -> optax.GradientTransformation:
+                   extra_args: bool = False, pairs_leaves: bool = False
+                   ) -> optax.GradientTransformation:
     """The ``optax.GradientTransformation`` of ``init_fn``/``update_fn``, with the tree contract.
 
     Every transform is built here, so all of them: see Python-float leaves as 0-d arrays
     (:func:`arrays`), and refuse an ``update`` on a tree that does not match the one ``init``
     was given (:func:`matches_init`, a trace-time check naming the leaf).
+
+    ``pairs_leaves=True`` for a transform whose state pairs values with leaves by position
+    (per-leaf vectors, :mod:`optclip._core.leafvec`): its state's shapes do not show which leaf
+    changed, or a leaf renamed, so ``update`` also compares the updates' leaf paths with those
+    of the trees this transformation's ``init`` was given (when it was given any).
 
     With ``extra_args=True`` the result is an ``optax.GradientTransformationExtraArgs`` whose
     ``update(updates, state, params=None, **extra_args)`` forwards the keyword arguments to
@@ -181,7 +187,7 @@ def transformation(init_fn: Callable[[Any], Any], update_fn: Callable[..., Any],
 
     def update(updates, state, params=None, **extra):
         updates = arrays(updates)
-        matches_init(init_fn, updates, state, built)
+        matches_init(init_fn, updates, state, built, pairs_leaves)
         return update_fn(updates, state, None if params is None else arrays(params), **extra)
 
     if extra_args:
@@ -201,14 +207,16 @@ def _state_signature(state: Any) -> dict[str, tuple[int, ...]]:
 
 
 def matches_init(init_fn: Callable[[Any], Any], updates: Any, state: Any,
-                 built: dict | None = None) -> None:
+                 built: dict | None = None, pairs_leaves: bool = False) -> None:
     """Trace-time check that ``state`` is what ``init`` builds for a tree like ``updates``.
 
     Convention 10: ``update`` on a tree whose structure or leaf shapes differ from the one
     ``init`` was given is an error naming the leaf, never a broadcast or a silent re-pairing
     of per-leaf state. Shapes are static, so this costs nothing at run time; it is exact under
     ``jax.vmap`` (both sides see per-example shapes) and with ``optax.masked``'s
-    ``MaskedNode`` leaves (they have no arrays on either side).
+    ``MaskedNode`` leaves (they have no arrays on either side). ``built`` maps the signatures
+    of the trees ``init`` was given to their states'; with ``pairs_leaves`` the updates' leaf
+    paths must also be those of one of these trees.
     """
     want = None
     if built is not None:
@@ -230,5 +238,43 @@ def matches_init(init_fn: Callable[[Any], Any], updates: Any, state: Any,
         if have[key] != shape:
             raise ValueError(
                 f"update got a leaf whose shape differs from the one init was given: state "
-                f"{key} has shape {have[key]}, the updates need {shape}")
+                f"{key} has shape {have[key]}, the updates need {shape}"
+                f"{_changed_leaves(updates, built, have)}")
+    if pairs_leaves and built:
+        paths = _leaf_paths(updates)
+        if all(_leaf_paths_of(signature) != paths for signature in built):
+            raise ValueError(
+                "update got a tree whose leaves are not those init was given (this state "
+                "pairs per-leaf values with leaves by position)"
+                f"{_changed_leaves(updates, built, have)}; call init on the new tree")
+
+
+def _leaf_paths(tree: Any) -> tuple[str, ...]:
+    return tuple(jax.tree_util.keystr(path)
+                 for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
+
+
+def _leaf_paths_of(signature: tuple) -> tuple[str, ...]:
+    treedef, _ = signature
+    return _leaf_paths(jax.tree.unflatten(treedef, range(treedef.num_leaves)))
+
+
+def _changed_leaves(updates: Any, built: dict | None, have: dict) -> str:
+    """`` (leaves ...)``: the leaves of ``updates`` that differ from those of a tree ``init``
+    was given (the one whose state is ``have``, else the closest), or ``""`` when ``init`` has
+    seen no tree here."""
+    if not built:
+        return ""
+    now = {jax.tree_util.keystr(path): (np.shape(x), jnp.result_type(x))
+           for path, x in jax.tree_util.tree_flatten_with_path(updates)[0]}
+
+    def differing(signature):
+        before = dict(zip(_leaf_paths_of(signature), signature[1]))
+        return sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+
+    same_state = [s for s, state in built.items() if state == have] or list(built)
+    names = min((differing(s) for s in same_state), key=len)
+    return f" (leaves that differ from the tree init was given: {', '.join(names)})" if names \
+        else ""
+
 

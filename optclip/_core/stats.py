@@ -25,9 +25,10 @@ _REGISTRY: dict[type, tuple[str, tuple[str, ...], frozenset[str]]] = {}
 def diagnostic(name: str, fields: tuple[str, ...], per_leaf: tuple[str, ...] = ()):
     """Class decorator: register a state ``NamedTuple`` whose ``fields`` ``stats`` reports.
 
-    A field whose value is a tree of per-leaf (or per-slice) values is summarised, so the
-    logged keys do not depend on the number of leaves; a field holding one array of one element
-    (a scalar, or the value of a parameter that is a single array) is reported as it is. One
+    A field whose value is a tree of per-leaf (or per-slice) values, or a vector of per-leaf
+    values, is summarised, so the logged keys do not depend on the number of leaves; a field
+    holding one 0-d array (a scalar, or the value of a parameter that is a single array) is
+    reported as it is. One
     class thus serves a transform's per-leaf and global layouts alike. Fields named in
     ``per_leaf`` are always summarised, even for a single-array parameter.
     """
@@ -41,7 +42,8 @@ def diagnostic(name: str, fields: tuple[str, ...], per_leaf: tuple[str, ...] = (
 
 
 def _is_scalar(value: Any) -> bool:
-    """One array of one element, not inside a container (a per-leaf tree, even of one leaf).
+    """One 0-d array, not inside a container (a per-leaf tree, even of one leaf) nor a vector
+    of per-leaf values (:mod:`optclip._core.leafvec`, even of one entry).
 
     A flax ``Variable`` (how ``nnx.Optimizer`` holds each array of its optax state) counts as
     the array it wraps, so the nnx optimizer's state reads exactly as the raw optax state.
@@ -49,7 +51,7 @@ def _is_scalar(value: Any) -> bool:
     structure = jax.tree.structure(value, is_leaf=lambda x: _is_flax(x, "Variable"))
     leaves = jax.tree.leaves(value)
     one_leaf = jax.tree_util.treedef_is_leaf(structure) and len(leaves) == 1
-    return one_leaf and jnp.size(leaves[0]) == 1
+    return one_leaf and jnp.ndim(leaves[0]) == 0
 
 
 def _summarise(key: str, value: Any, per_leaf: bool) -> dict[str, jax.Array]:
@@ -75,10 +77,11 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
 
     Keys are ``"<transform>/<field>"``; a transform used twice gets ``"<transform>_1/..."``
     for its second occurrence (in pytree order). Per-leaf or per-slice values (a tree of them,
-    even of one leaf) are summarised as ``<field>_max`` and ``<field>_mean`` (numbers) or
-    ``<field>_frac`` (flags: the fraction set); the full trees stay in the state. A scalar is
-    reported as it is (so is the per-leaf value of a parameter that is a single array, except
-    for fields a transform always summarises). Pure and traceable: call it inside ``jax.jit``.
+    even of one leaf, or a vector with one entry per floating leaf) are summarised as
+    ``<field>_max`` and ``<field>_mean`` (numbers) or ``<field>_frac`` (flags: the fraction
+    set); the full values stay in the state (:func:`optclip.per_leaf` gives a vector back as a
+    tree). A scalar is reported as it is (so is the per-slice value of a parameter that is a
+    single array with one slice, except for fields a transform always summarises). Pure and traceable: call it inside ``jax.jit``.
     A flax ``nnx.Optimizer`` is read through its ``opt_state``; ``nnx.state(optimizer)`` has
     lost the state types and raises ``TypeError``.
 
