@@ -7,7 +7,7 @@ fixed-size ring buffer (global, or one row per leaf); a non-finite norm never en
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,10 +29,10 @@ class QuantileClipState(NamedTuple):
     pos: jax.Array        # int32 next write slot of the ring buffer, in [0, history_length)
     filled: jax.Array     # int32 norms held, <= history_length
     history: jax.Array    # (history_length,) global, or (F, history_length) per leaf
-    norm: Any             # pre-clip norm: scalar (global) or tree mirroring the updates
-    threshold: Any        # threshold in force (the norm itself while there is none)
-    scale: Any            # factor applied
-    clipped: Any          # bool
+    norm: jax.Array       # pre-clip norm: scalar (global) or (F,), one entry per leaf
+    threshold: jax.Array  # threshold in force (the norm itself while there is none), like norm
+    scale: jax.Array      # factor applied, like norm
+    clipped: jax.Array    # bool, like norm
     nonfinite: jax.Array  # int32 calls with a non-finite norm (state left unchanged)
     step: jax.Array       # int32 finite calls: the count that a ``quantile`` schedule sees
 
@@ -42,10 +42,10 @@ class StandardClipState(NamedTuple):
     pos: jax.Array
     filled: jax.Array
     history: jax.Array
-    norm: Any
-    threshold: Any
-    scale: Any
-    clipped: Any
+    norm: jax.Array
+    threshold: jax.Array
+    scale: jax.Array
+    clipped: jax.Array
     nonfinite: jax.Array
     step: jax.Array
 
@@ -65,9 +65,6 @@ def _autoclip(threshold_fn, history_length, global_threshold, state_cls, axis_na
     checks.boolean("global_threshold", global_threshold)
     per_leaf = not global_threshold
 
-    def diag_tree(updates, values):
-        return running.per_leaf_tree(updates, values) if per_leaf else values
-
     def init_fn(params):
         dtype = norms.stat_dtype(params)
         batch = () if global_threshold else (len(norms.float_leaves(params)),)
@@ -75,8 +72,7 @@ def _autoclip(threshold_fn, history_length, global_threshold, state_cls, axis_na
         return stats_lib.own_buffers(state_cls(
             jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32),
             jnp.zeros(batch + (history_length,), dtype),
-            diag_tree(params, zeros), diag_tree(params, zeros),
-            diag_tree(params, zeros + 1), diag_tree(params, zeros > 0),
+            zeros, zeros, zeros + 1, zeros > 0,
             jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32)))
 
     def update_fn(updates, state, params=None):
@@ -97,7 +93,7 @@ def _autoclip(threshold_fn, history_length, global_threshold, state_cls, axis_na
         # autoclip records inf/NaN norms, poisoning the window for history_length calls.
         keep = lambda new, old: jnp.where(finite, new, old)
         new_updates, diag = running.apply_scale(
-            updates, scale, per_leaf, state._asdict(), norm=norm, scale=scale,
+            updates, scale, state._asdict(), norm=norm, scale=scale,
             threshold=jnp.where(jnp.isinf(threshold), norm, threshold))
         return new_updates, state_cls(
             pos=keep((state.pos + 1) % history_length, state.pos),
@@ -106,7 +102,7 @@ def _autoclip(threshold_fn, history_length, global_threshold, state_cls, axis_na
             nonfinite=state.nonfinite + (~finite).astype(jnp.int32),
             step=stats_lib.step_count(state.step, finite))
 
-    return checks.transformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn, pairs_leaves=per_leaf)
 
 
 def quantile_clip(
@@ -135,8 +131,9 @@ def quantile_clip(
 
     Returns:
       An ``optax.GradientTransformation`` whose state logs ``norm``, ``threshold`` (the norm
-      itself while there is none), ``scale``, ``clipped`` (per leaf in local mode), ``filled``
-      and ``nonfinite``.
+      itself while there is none), ``scale``, ``clipped`` (per leaf in local mode: one vector
+      over the floating leaves, :func:`optclip.per_leaf` gives a tree), ``filled`` and
+      ``nonfinite``.
 
     References:
       autoclip 0.2.1 ``QuantileClip``; Seetharaman et al., "AutoClip:

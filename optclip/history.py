@@ -356,10 +356,10 @@ class ParamHistClipState(NamedTuple):
     warmup_norms: jax.Array  # (F, max(warmup_steps, 1)): row j = j-th float leaf
     criterion: Any           # criterion state, every entry of shape (F,)
     warmup_state: Any        # tuple of the warm-up transform's per-leaf states
-    norm: Any                # per leaf (tree mirroring the updates): pre-clip norm
-    threshold: Any           # per leaf: the criterion's clip value
-    scale: Any               # per leaf: factor applied
-    clipped: Any             # per leaf: bool
+    norm: jax.Array          # (F,) per leaf: pre-clip norm
+    threshold: jax.Array     # (F,) per leaf: the criterion's clip value
+    scale: jax.Array         # (F,) per leaf: factor applied
+    clipped: jax.Array       # (F,) per leaf: bool
     spikes: jax.Array        # int32 (leaf, call) pairs clipped by the criterion
     nonfinite: jax.Array     # int32 calls with a non-finite leaf norm (state left unchanged)
 
@@ -439,8 +439,7 @@ def _hist_init(params, criterion, warmup_transform, steps, per_leaf):
     else:
         inner = warmup_transform.init(params)
     zeros = jnp.zeros(batch, dtype)
-    diag = (running.per_leaf_trees(params, zeros, zeros + 1, zeros > 0) if per_leaf
-            else (zeros, zeros + 1, zeros > 0))
+    diag = (zeros, zeros + 1, zeros > 0)
     return stats_lib.own_buffers(state_cls(
         count=jnp.zeros([], jnp.int32),
         warmup_norms=jnp.zeros(batch + (max(steps, 1),), dtype),
@@ -497,7 +496,7 @@ def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_
         out, inner, scale, threshold = warm_phase(updates, state, params, norm, crit_scale,
                                                   threshold)
         new_updates, diag = running.apply_scale(
-            updates, scale, per_leaf, state._asdict(), norm=norm, threshold=threshold,
+            updates, scale, state._asdict(), norm=norm, threshold=threshold,
             scale=scale)
         new = state._replace(
             count=jnp.minimum(count + 1, steps + 1), warmup_norms=buffer, criterion=crit,
@@ -508,7 +507,7 @@ def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_
         committed = stats_lib.commit(jnp.all(jnp.isfinite(norm)), new, state)
         return (new_updates if out is None else out), committed._replace(**diag)
 
-    return checks.transformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn, pairs_leaves=per_leaf)
 
 
 def hist_clip(
@@ -605,8 +604,9 @@ def param_hist_clip(
 
     Returns:
       An ``optax.GradientTransformation``. Per-leaf diagnostics (``norm``, ``threshold``,
-      ``scale``, ``clipped``) are trees mirroring the updates; the statistics are stored
-      stacked, entry ``j`` belonging to the ``j``-th floating leaf of ``jax.tree.leaves``.
+      ``scale``, ``clipped``) and the statistics are stored stacked, entry ``j`` belonging to
+      the ``j``-th floating leaf of ``jax.tree.leaves`` (:func:`optclip.per_leaf` gives a
+      diagnostic as a tree).
 
     References:
       drytorch ``ParamHistClipper``. Differences: state is keyed by
@@ -622,7 +622,8 @@ def param_hist_clip(
       >>> for s in [1.0, 1.1, 0.9, 1.0, 8.0]:
       ...     out, state = tx.update({"a": jnp.array([0.3, 0.4]) * s,
       ...                             "b": jnp.array([0.3, 0.4])}, state)
-      >>> [bool(state.clipped[k]) for k in ("a", "b")]
+      >>> clipped = optclip.per_leaf(state.clipped, params)
+      >>> [bool(clipped[k]) for k in ("a", "b")]
       [True, False]
     """
     return _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, True,

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optclip._core import checks, norms, trees
+from optclip._core import checks, leafvec, norms
 from optclip._core import stats as stats_lib
 
 __all__ = ["AdamWClipState", "SpamClipState", "StableAdamWClipState", "adamw_clip",
@@ -65,9 +65,9 @@ class AdamWClipState(NamedTuple):
                       per_leaf=("rms", "scale", "clipped"))
 class StableAdamWClipState(NamedTuple):
     inner: Any
-    rms: Any            # per leaf: RMS(g^2 / nu_hat) at the last step
-    scale: Any          # per leaf: 1 / max(1, rms), the factor the update was multiplied by
-    clipped: Any        # per leaf: bool, scale < 1
+    rms: jax.Array      # (F,) per leaf: RMS(g^2 / nu_hat) at the last step
+    scale: jax.Array    # (F,) per leaf: 1 / max(1, rms), the factor the update was multiplied by
+    clipped: jax.Array  # (F,) per leaf: bool, scale < 1
     nonfinite: jax.Array
 
 
@@ -488,7 +488,9 @@ def stable_adamw_clip(
         ``jax.jit`` with sharded arrays.
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs``; ``optclip.stats`` reports
+      An ``optax.GradientTransformationExtraArgs``. Its state keeps ``rms``, ``scale`` and
+      ``clipped`` per leaf, each as one vector over the floating leaves
+      (:func:`optclip.per_leaf` gives a tree); ``optclip.stats`` reports
       ``stable_adamw_clip/rms_max``, ``rms_mean``, ``scale_max``, ``scale_mean``,
       ``clipped_frac`` (of the leaves) and ``nonfinite``.
 
@@ -505,7 +507,7 @@ def stable_adamw_clip(
       >>> state = tx.init(params)
       >>> for g in [[1.0, 1.0], [1.0, 1.0], [30.0, 30.0]]:
       ...     _, state = tx.update({"w": jnp.array(g)}, state, params)
-      >>> bool(state.clipped["w"]), round(float(state.scale["w"]), 3)
+      >>> bool(state.clipped[0]), round(float(state.scale[0]), 3)
       (True, 0.578)
     """
     inner = _check_inner(inner)
@@ -516,9 +518,9 @@ def stable_adamw_clip(
     def init_fn(params):
         inner_state = inner.init(params)
         _moment_state(inner_state)
-        return StableAdamWClipState(inner_state, trees.scalars_like(params, 0.0),
-                                    trees.scalars_like(params, 1.0),
-                                    trees.scalars_like(params, False, jnp.bool_),
+        return StableAdamWClipState(inner_state, leafvec.full(params, 0.0),
+                                    leafvec.full(params, 1.0),
+                                    leafvec.full(params, False, jnp.bool_),
                                     jnp.zeros((), jnp.int32))
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -531,11 +533,12 @@ def stable_adamw_clip(
         finite = stats_lib.all_finite(rms)
         out, new_inner = _gated_step(inner, finite, updates, state.inner, params, extra_args)
         out = jax.tree.map(lambda o, c: o if c is None else norms.scale(o, c), out, scale)
+        scale = leafvec.stack(jax.tree.leaves(scale), state.scale)
         return out, _commit(finite, StableAdamWClipState(
-            inner=new_inner, rms=rms, scale=scale, clipped=jax.tree.map(lambda c: c < 1, scale),
-            nonfinite=state.nonfinite), state)
+            inner=new_inner, rms=leafvec.stack(jax.tree.leaves(rms), state.rms), scale=scale,
+            clipped=scale < 1, nonfinite=state.nonfinite), state)
 
-    return checks.transformation(init_fn, update_fn, extra_args=True)
+    return checks.transformation(init_fn, update_fn, extra_args=True, pairs_leaves=True)
 
 
 def _update_rms(updates: Any, nu: Any, b2: float, correction: jax.Array, eps: float,

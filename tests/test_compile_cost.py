@@ -151,13 +151,13 @@ KERNEL_BUDGET = {
     "clip_value": 2.33, "clip_norm": 3.58, "clip_by_global_norm": 0, "normalize": 5.08,
     "centralize": 0.75, "zscore_normalize": 0.75, "clip_norm_by_ema": 11.92,
     "normalize_by_ema": 4, "clip_value_by_ema": 1.83, "clip_value_growth": 8.33,
-    "clip_norm_growth": -0.17, "hist_clip": 0, "param_hist_clip": 1, "zclip": 0,
-    "quantile_clip": 1, "standard_clip": 0, "sign": 0, "l1_normalize": 8.75,
+    "clip_norm_growth": -0.17, "hist_clip": 0, "param_hist_clip": 0, "zclip": 0,
+    "quantile_clip": 0, "standard_clip": 0, "sign": 0, "l1_normalize": 8.75,
     "l2_normalize": 15.42, "top_q": 17.42, "l1q_normalize": 12.25, "clamp": 1.83,
     "project_l2_ball": 11.17, "project_linf_ball": 1.83, "clamp_params": 1.83,
     "frank_wolfe": -0.17, "l1_frank_wolfe": 2.83, "l2_frank_wolfe": 12.42,
     "linf_frank_wolfe": -0.17, "l1q_frank_wolfe": 19.92, "skip_spikes": 4, "adagc": 0,
-    "spam_clip": 2.83, "adamw_clip": 2.83, "stable_adamw_clip": 8.83,
+    "spam_clip": 2.83, "adamw_clip": 2.83, "stable_adamw_clip": 5.83,
     "adaptive_grad_clip": 8.17,
 }
 

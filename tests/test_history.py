@@ -648,7 +648,9 @@ def test_per_leaf_against_oracle(name, make, expect):
         scales = np.asarray(expect(list(ns)))
         want = grads[k] * scales.reshape((-1,) + (1,) * (grads[k].ndim - 1))
         np.testing.assert_allclose(outs[k], want, rtol=1e-12, atol=1e-15, err_msg=k)
-    assert state.norm["count"] is None
+        # The state's per-leaf norms: the last step's, one entry per floating leaf.
+        np.testing.assert_allclose(optclip.per_leaf(state.norm, grads)[k], ns[-1], rtol=1e-12)
+    assert state.norm.shape == (2,) and optclip.per_leaf(state.norm, grads)["count"] is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -845,7 +847,7 @@ def test_float16_norm_accumulates_wide():
     outs, states = jax.jit(lambda g: tuple(zip(*(tx.update(g, tx.init(g)) for tx in txs),
                                                strict=True)))(g)
     for out, state in zip(outs, states, strict=True):
-        norm = state.norm["w"] if isinstance(state.norm, dict) else state.norm
+        norm = optclip.per_leaf(state.norm, g)["w"] if state.norm.ndim else state.norm
         assert norm.dtype == jnp.float32
         assert float(norm) == 300.0
         assert out["w"].dtype == jnp.float16

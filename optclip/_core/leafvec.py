@@ -42,6 +42,15 @@ def full(tree: Any, value: Any, dtype: Any = None) -> jax.Array:
     return jnp.full((size(tree),), value, dtype or norms.stat_dtype(tree))
 
 
+def stack(values: list[jax.Array], like: jax.Array) -> jax.Array:
+    """Per-leaf 0-d values (one per floating leaf, in order) as one vector of ``like``'s dtype
+    (upcast exactly where a leaf's statistics are narrower), written once
+    (:func:`optclip._core.norms.gather_scalars`)."""
+    if not values:
+        return jnp.zeros((0,), like.dtype)
+    return norms.gather_scalars([jnp.asarray(v).astype(like.dtype) for v in values])
+
+
 class Group(NamedTuple):
     """Floating leaves of one statistics dtype: their indices among the tree's leaves, their
     positions in a per-leaf vector, and the dtype."""

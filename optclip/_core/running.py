@@ -67,33 +67,19 @@ def leaf_norms(updates: Any, dtype, axis_name: norms.AxisName = None) -> jax.Arr
     return norms.leaf_l2_norms(norms.float_leaves(updates), axis_name, vector=True).astype(dtype)
 
 
-def apply_scale(updates: Any, factor: jax.Array, per_leaf: bool, old: dict[str, Any],
+def apply_scale(updates: Any, factor: jax.Array, old: dict[str, Any],
                 **diagnostics: jax.Array) -> tuple[Any, dict[str, Any]]:
     """Scale ``updates`` by ``factor`` and commit the step's diagnostics.
 
-    ``factor`` and every diagnostic hold one entry per float leaf (``per_leaf``) or one scalar.
-    Returns the scaled updates and, per diagnostic name, its new value: the step's entry where
-    finite, else the ``old[name]`` entry; ``clipped`` (``factor < 1``) is added. Per leaf the
-    values are trees mirroring ``updates``, handed out from the vectors by
-    :func:`optclip._core.handout.rows` (one kernel per group of leaves).
+    ``factor`` and every diagnostic hold one entry per float leaf (a vector, kept as one in the
+    state: :mod:`optclip._core.leafvec`) or one scalar. Returns the scaled updates and, per
+    diagnostic name, its new value: the step's entry where finite, else the ``old[name]``
+    entry; ``clipped`` (``factor < 1``) is added. Only the factors are handed out to the
+    leaves (:func:`scale_leaves`).
     """
-    names = list(diagnostics)
-    if per_leaf and factor.shape[0]:
-        # Committed on the vectors (one select for all leaves), then read per leaf.
-        kept = [stats_lib.keep_finite(v, norms.gather_scalars(jax.tree.leaves(old[k])))
-                for k, v in diagnostics.items()]
-        rows = per_leaf_trees(updates, factor, *kept)
-        factors, committed = rows[0], dict(zip(names, rows[1:]))
-        scaled = jax.tree.map(norms.scale, updates, factors)
-    elif per_leaf:  # no floating leaves
-        factors, committed = per_leaf_trees(updates, factor)[0], {k: old[k] for k in names}
-        scaled = updates
-    else:
-        factors = factor
-        committed = {k: stats_lib.keep_finite(v, old[k]) for k, v in diagnostics.items()}
-        scaled = scale_leaves(updates, factor)
-    committed["clipped"] = jax.tree.map(lambda f: f < 1, factors)
-    return scaled, committed
+    committed = {k: stats_lib.keep_finite(v, old[k]) for k, v in diagnostics.items()}
+    committed["clipped"] = factor < 1
+    return scale_leaves(updates, factor), committed
 
 
 def lerp(start: jax.Array, end: jax.Array, weight: Any, value: jax.Array | None = None
