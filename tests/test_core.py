@@ -382,3 +382,35 @@ def test_hand_out_costs_one_kernel_per_group_of_entries():
     entry = hlo[hlo.index("ENTRY"):]
     reduces = [line for line in entry.splitlines() if " fusion(" in line and "reduce" in line]
     assert len(reduces) == 3 * -(-70 // handout.GROUP) < 3 * 70
+
+
+def test_per_leaf_gives_a_state_vector_back_as_a_tree():
+    """``optclip.per_leaf``: entry ``j`` at the ``j``-th floating leaf (Python floats count, as
+    every transform reads them as 0-d arrays), ``None`` at integer leaves; rows of a 2-d field;
+    a vector of the wrong length is refused."""
+    params = {"a": jnp.zeros((2, 3)), "i": jnp.arange(3), "t": 0.5, "z": jnp.zeros(4)}
+    values = jnp.array([1.0, 2.0, 3.0])
+    tree = optclip.per_leaf(values, params)
+    assert tree["i"] is None
+    assert [float(tree[k]) for k in ("a", "t", "z")] == [1.0, 2.0, 3.0]
+    rows = optclip.per_leaf(jnp.arange(6.0).reshape(3, 2), params)
+    np.testing.assert_array_equal(rows["z"], [4.0, 5.0])
+    jitted = jax.jit(optclip.per_leaf)(values, params)
+    assert float(jitted["z"]) == 3.0
+    for bad in (jnp.zeros(2), jnp.zeros(4), jnp.asarray(1.0)):
+        with pytest.raises(ValueError, match="one entry per floating leaf"):
+            optclip.per_leaf(bad, params)
+
+
+def test_state_vectors_follow_the_leaves_of_init_and_name_a_renamed_leaf():
+    """A state pairing per-leaf vectors with leaves by position still refuses a tree whose
+    leaves differ from init's, naming them, even where the shapes match."""
+    tx = optclip.adagc()
+    state = tx.init({"a": jnp.zeros(2), "b": jnp.zeros(3)})
+    assert state.gamma.shape == (2,)
+    with pytest.raises(ValueError, match=r"\['c'\]"):
+        tx.update({"a": jnp.zeros(2), "c": jnp.zeros(3)}, state)
+    with pytest.raises(ValueError, match=r"\['b'\]"):
+        tx.update({"a": jnp.zeros(2)}, state)
+    out, _ = tx.update({"a": jnp.ones(2), "b": jnp.ones(3)}, state)   # the same tree: fine
+    assert set(out) == {"a", "b"}
