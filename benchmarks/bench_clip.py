@@ -655,7 +655,7 @@ def main(argv=None):
     missing = set(optclip.__all__) - set(CASES) - {
         "stats", "clip_grad_norm", "clip_grad_value", "normalize_grads", "max_clipping",
         "mean_clipping", "reciprocal_clipping", "ema_criterion", "zscore_criterion",
-        "flax_unit_axes"}
+        "flax_unit_axes", "per_leaf"}
     if missing:
         print(f"warning: no benchmark case for {sorted(missing)}", file=sys.stderr)
     width = 192 if args.quick else 768

@@ -19,7 +19,7 @@ from tests.registry import ALL_ENTRIES, Entry
 NOT_TRANSFORMS = {
     "stats", "clip_grad_norm", "clip_grad_value", "normalize_grads",
     "max_clipping", "mean_clipping", "reciprocal_clipping", "ema_criterion", "zscore_criterion",
-    "flax_unit_axes",
+    "flax_unit_axes", "per_leaf",
 }
 STEPS = 3
 
