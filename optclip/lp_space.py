@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 
 from optclip._core import axes as axes_lib
-from optclip._core import checks, norms, slices
+from optclip._core import checks, leafvec, norms, slices
 from optclip._core import stats as stats_lib
 
 __all__ = [
@@ -66,7 +66,7 @@ class L1qState(NamedTuple):
 
 @stats_lib.diagnostic("clamp", ("clipped", "nonfinite"), per_leaf=("clipped",))
 class ClampState(NamedTuple):
-    clipped: Any          # per leaf: whether any element was clamped
+    clipped: jax.Array    # (F,) per leaf: bool, whether any element was clamped
     nonfinite: jax.Array
     count: jax.Array      # int32 finite steps: the count that threshold schedules see
 
@@ -380,7 +380,8 @@ def clamp(clamp_min: float | None = None, clamp_max: float | None = None,
 
     Returns:
       An ``optax.GradientTransformation`` whose state logs, per leaf, whether any element was
-      ``clipped``, and a ``nonfinite`` step count.
+      ``clipped`` (one vector over the floating leaves; :func:`optclip.per_leaf` gives a
+      tree), and a ``nonfinite`` step count.
 
     References:
       rai_toolbox ``ClampedGradientOptimizer``.
@@ -397,8 +398,8 @@ def clamp(clamp_min: float | None = None, clamp_max: float | None = None,
     norms.check_axis_name(axis_name)
 
     def init_fn(params):
-        return ClampState(slices.per_leaf(lambda x: jnp.zeros((), bool), params),
-                          jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32))
+        return ClampState(leafvec.full(params, False, jnp.bool_), jnp.zeros([], jnp.int32),
+                          jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
         del params
@@ -408,4 +409,4 @@ def clamp(clamp_min: float | None = None, clamp_max: float | None = None,
         return norms.float_map(lambda g: _affine(g, grad_scale, grad_bias), clamped), (
             stats_lib.commit(finite, new_state, state))
 
-    return checks.transformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn, pairs_leaves=True)

@@ -740,18 +740,15 @@ def bounds_at(count: jax.Array, low: Any, high: Any) -> tuple[Any, Any]:
 
 
 def clamped_leaves(tree: Any, low: Any, high: Any, axis_name: norms.AxisName
-                   ) -> tuple[Any, Any, jax.Array]:
-    """``(clip(tree, low, high), moved, finite)``: with ``moved`` per float leaf (whether any
-    element changed, on any device along ``axis_name``; ``None`` for other leaves) and whether
+                   ) -> tuple[Any, jax.Array, jax.Array]:
+    """``(clip(tree, low, high), moved, finite)``: with ``moved`` one bool per float leaf, in
+    leaf order (whether any element changed, on any device along ``axis_name``) and whether
     every float element is finite (on every device along ``axis_name``), from one reduction of
-    each leaf (:func:`excesses`): it is non-zero exactly when some element was moved, and NaN
-    exactly when some element is not finite. ``moved`` is only meaningful on a finite step
-    (where it is not, the step is not committed). The clamp waits for the check: with donated
-    gradients XLA would otherwise copy every leaf to keep it for the reductions."""
-    leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: x is None)
-    moved, flags = excess_flags(leaves, low, high, axis_name)
-    finite = stats.all_of(flags, axis_name)
-    moved = treedef.unflatten(moved)
+    each leaf (:func:`excess_flags`). ``moved`` is only meaningful on a finite step (where it
+    is not, the step is not committed). The clamp waits for the check: with donated gradients
+    XLA would otherwise copy every leaf to keep it for the reductions."""
+    moved, local = excess_flags(jax.tree.leaves(tree), low, high, axis_name)
+    finite = norms.all_true(local, axis_name)
     low, high = stats.after(finite, (low, high))
     return norms.float_map(lambda x: clip(x, low, high), tree), moved, finite
 
@@ -769,15 +766,17 @@ def excesses(arrays: list[jax.Array], low: Any, high: Any) -> list[jax.Array]:
 
 
 def excess_flags(leaves: list, low: Any, high: Any, axis_name: norms.AxisName
-                 ) -> tuple[list, list]:
-    """From one :func:`excesses` sum per float leaf of ``leaves``: per leaf whether any element
-    lies outside ``[low, high]`` on any device along ``axis_name`` (``None`` for the other
-    leaves; meaningful on a finite step only), and per float leaf whether every element on
-    this device is finite."""
-    sums = iter(excesses([x for x in leaves if norms.is_float(x)], low, high))
-    excess = [next(sums) if norms.is_float(x) else None for x in leaves]
-    return ([None if e is None else norms.any_true(e != 0, axis_name) for e in excess],
-            [~jnp.isnan(e) for e in excess if e is not None])
+                 ) -> tuple[jax.Array, jax.Array]:
+    """From one :func:`excesses` sum per float leaf of ``leaves``: one bool per float leaf, in
+    leaf order, whether any element lies outside ``[low, high]`` on any device along
+    ``axis_name`` (meaningful on a finite step only), and whether every float element on this
+    device is finite. Both are read off one vector of the sums (a comparison per leaf would
+    cost a kernel per leaf)."""
+    floats = [x for x in leaves if norms.is_float(x)]
+    if not floats:
+        return jnp.zeros((0,), bool), jnp.asarray(True)
+    sums = norms.gather_scalars(excesses(floats, low, high))
+    return norms.any_true(sums != 0, axis_name), jnp.all(~jnp.isnan(sums))
 
 
 def _excess_terms(x: jax.Array, low: Any, high: Any) -> jax.Array:
