@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from optclip._core import axes as axes_lib
-from optclip._core import checks, norms, slices, trees
+from optclip._core import checks, leafvec, norms, slices
 from optclip._core import stats as stats_lib
 from optclip._core.axes import Dim
 from optclip._core.checks import ScalarOrSchedule
@@ -36,8 +36,8 @@ __all__ = [
                       per_leaf=("max_abs", "clipped"))
 class ClipValueState(NamedTuple):
     count: jax.Array      # int32 steps taken (for a ``value`` schedule)
-    max_abs: Any          # per leaf: largest |g| before clipping (last finite value)
-    clipped: Any          # per leaf: whether any element was clipped
+    max_abs: jax.Array    # (F,) per leaf: largest |g| before clipping (last finite step)
+    clipped: jax.Array    # (F,) per leaf: bool, whether any element was clipped
     nonfinite: jax.Array  # int32 steps whose gradients were not finite
 
 
@@ -143,18 +143,25 @@ def _read_first(bound, peak: jax.Array, finite: jax.Array) -> jax.Array:
     return jnp.where(finite & (peak < bound), peak, bound)
 
 
-def _peaks_and_flags(updates: Any, axis_name: AxisName) -> tuple[Any, Any]:
-    """Per float leaf, the largest ``|g|`` (wide dtype) and whether it is finite, as two trees
-    (``None`` at other leaves). Small leaves of one shape share one reduction of each kind
+def _exceeds(values: jax.Array, bound, group_list: list[leafvec.Group], like: jax.Array
+             ) -> jax.Array:
+    """Per leaf, whether its entry of the per-leaf vector ``values`` exceeds ``bound``, compared
+    in the leaf's statistics dtype (as the leaf's own value would be): one comparison of the
+    vector, not one kernel per leaf."""
+    return leafvec.assemble([leafvec.take(values, group) > bound for group in group_list],
+                            group_list, like)
+
+
+def _maxima_and_marks(floats: list[jax.Array], axis_name: AxisName) -> tuple[list, list]:
+    """Per float leaf, the largest ``|g|`` (wide dtype; on every device along ``axis_name``;
+    ``-inf`` for an empty leaf) and the sum of its NaN marks on this device (0 exactly when
+    the leaf is finite). Small leaves of one shape share one reduction of each kind
     (:func:`optclip._core.norms.leaf_reductions`)."""
-    floats = norms.float_leaves(updates)
     split = norms.split_axes(floats, axis_name)
     maxima = norms.leaf_reductions(floats, lambda g: jnp.abs(g.astype(norms.acc_dtype(g.dtype))),
                                    "max")
-    peaks = iter([jnp.maximum(norms.across(m, "max", sp), 0) for m, sp in zip(maxima, split)])
-    sums = iter(norms.leaf_reductions(floats, stats_lib.nan_marks))
-    return trees.tree_unzip(lambda g: (next(peaks), next(sums) == 0) if norms.is_float(g)
-                            else (None, None), updates, n=2)
+    return ([norms.across(m, "max", sp) for m, sp in zip(maxima, split)],
+            norms.leaf_reductions(floats, stats_lib.nan_marks))
 
 
 def _clip_grad_norm(grads, max_norm, ord, dim, inverse_dims, min_size, min_norm, axis_name=None):
@@ -278,7 +285,8 @@ def clip_value(value: ScalarOrSchedule, axis_name: AxisName = None
 
     Returns:
       An ``optax.GradientTransformation``. Its state logs, per leaf, the largest ``|g|`` seen
-      before clipping (``max_abs``) and whether anything was clipped.
+      before clipping (``max_abs``) and whether anything was ``clipped``, each as one vector
+      over the floating leaves (:func:`optclip.per_leaf` gives a tree).
 
     References:
       torchzero ``ClipValue``; drytorch ``GradValueClipper``. torchzero turns every
@@ -295,27 +303,29 @@ def clip_value(value: ScalarOrSchedule, axis_name: AxisName = None
     norms.check_axis_name(axis_name)
 
     def init_fn(params):
-        zeros = stats_lib.zeros_like_params(
-            lambda p: jax.tree.map(lambda g: jnp.zeros((), norms.acc_dtype(g.dtype))
-                                   if norms.is_float(g) else None, p), params)
-        return ClipValueState(jnp.zeros([], jnp.int32), zeros,
-                              jax.tree.map(lambda z: jnp.zeros((), bool), zeros),
-                              jnp.zeros([], jnp.int32))
+        return ClipValueState(jnp.zeros([], jnp.int32), leafvec.full(params, 0.0),
+                              leafvec.full(params, False, jnp.bool_), jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
         del params
         bound = checks.resolve(value, state.count)
         # Step time: on large leaves XLA:CPU's integer maximum of the magnitude bits (one
         # NaN-exact reduction) ran about 2x slower than a float maximum plus a finiteness sum.
-        peak, flag = _peaks_and_flags(updates, axis_name)
-        finite = stats_lib.all_of(jax.tree.leaves(flag), axis_name)
-        new_updates = jax.tree.map(
-            lambda g, p, f: g if p is None else _clamp(g, _read_first(bound, p, f)),
-            updates, peak, flag)
-        clipped = jax.tree.map(lambda p: p > bound, peak)
-        return new_updates, _advance(state, finite, max_abs=peak, clipped=clipped)
+        leaves, treedef = jax.tree.flatten(updates)
+        maxima, marks = _maxima_and_marks([g for g in leaves if norms.is_float(g)], axis_name)
+        # The finiteness and the diagnostics are taken from vectors of the leaves' reductions:
+        # each leaf's own scalars are then read only by its clamp, which they fuse into (a
+        # per-leaf comparison or maximum feeding the vectors costs a kernel per leaf).
+        finite = norms.all_true(jnp.all(leafvec.stack(marks, state.max_abs) == 0), axis_name)
+        limits = iter([_read_first(bound, jnp.maximum(m, 0), s == 0)
+                       for m, s in zip(maxima, marks)])
+        new_leaves = [_clamp(g, next(limits)) if norms.is_float(g) else g for g in leaves]
+        max_abs = jnp.maximum(leafvec.stack(maxima, state.max_abs), 0)
+        clipped = _exceeds(max_abs, bound, leafvec.groups(leaves), state.clipped)
+        return treedef.unflatten(new_leaves), _advance(state, finite, max_abs=max_abs,
+                                                       clipped=clipped)
 
-    return checks.transformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn, pairs_leaves=True)
 
 
 def clip_by_global_norm(max_norm: ScalarOrSchedule = 1.0, ord: Ord = 2,

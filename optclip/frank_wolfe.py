@@ -38,9 +38,9 @@ class FrankWolfeState(NamedTuple):
 class L1qFrankWolfeState(NamedTuple):
     count: jax.Array
     alpha: jax.Array
-    key: jax.Array
-    q: Any
-    k: Any
+    key: jax.Array        # uint32[2] PRNG key for the random q (used when dq > 0)
+    q: jax.Array          # (F,) per leaf: the drop fraction in force at the last step
+    k: jax.Array          # (F,) per leaf: int32 entries kept per slice at the last step
     nonfinite: jax.Array
 
 
@@ -205,7 +205,7 @@ def _frank_wolfe(name: str, lmo, scaling: Any, learning_rate: Any, schedule: boo
         scale_now = checks.resolve(scaling, state.count) if callable(scaling) else scaling
         alpha, a, b = _fw_coefficients(state.count, learning_rate, scale_now, schedule, fw_eps,
                                        state.alpha.dtype)
-        leaves, treedef = jax.tree.flatten(updates)
+        leaves = jax.tree.leaves(updates)
         cut = slices.slicing(leaves, updates, param_ndim, axis_name)
         head = (optax.safe_increment(state.count), alpha)
         if measure is not None:
@@ -217,17 +217,15 @@ def _frank_wolfe(name: str, lmo, scaling: Any, learning_rate: Any, schedule: boo
             k_of = k_of if measure is not None else [None] * len(leaves)
             new_state = FrankWolfeState(*head, state.nonfinite)
         else:
-            key, q_of, k_of = fraction.draw(state.key, leaves, cut.sizes)
-            new_state = L1qFrankWolfeState(*head, key, treedef.unflatten(q_of),
-                                           treedef.unflatten(slices.k_arrays(k_of)),
-                                           state.nonfinite)
+            key, q, k, k_of = fraction.draw(state.key, leaves, cut.sizes)
+            new_state = L1qFrankWolfeState(*head, key, q, k, state.nonfinite)
         if joint is not None:
             k_of = joint(leaves, cut, k_of)
         # The updates wait for the check: no copy of the donated updates buffers for it.
         new_updates = _fw_leaves(updates, params, lmo, cut, k_of, *stats_lib.after(finite, (a, b)))
         return new_updates, stats_lib.commit(finite, new_state, state)
 
-    return checks.transformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn, pairs_leaves=fraction is not None)
 
 
 def frank_wolfe(lmo_scaling_factor: float = 1.0, learning_rate: float = 2.0,
@@ -439,7 +437,9 @@ def l1q_frank_wolfe(q: float, epsilon: float, dq: float = 0.0, learning_rate: fl
 
     Returns:
       An ``optax.GradientTransformation`` (replaces the inner optimizer; needs ``params``)
-      whose state holds the step ``count`` and the PRNG key and logs ``alpha``, ``q``, ``k``.
+      whose state holds the step ``count`` and the PRNG key and logs ``alpha`` and, per leaf,
+      ``q`` and ``k``, each as one vector over the floating leaves (:func:`optclip.per_leaf`
+      gives a tree).
 
     References:
       rai_toolbox ``L1qFrankWolfe``; top-q differences as in

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 
 from optclip._core import axes as axes_lib
-from optclip._core import checks, norms, slices
+from optclip._core import checks, leafvec, norms, slices
 from optclip._core import stats as stats_lib
 
 __all__ = [
@@ -51,22 +51,22 @@ class L2NormalizeState(LpNormalizeState):
 @stats_lib.diagnostic("top_q", ("q", "k", "nonfinite"), per_leaf=("q", "k"))
 class TopQState(NamedTuple):
     key: jax.Array        # uint32[2] PRNG key for the random q (used when dq > 0)
-    q: Any                # per leaf: the drop fraction in force at the last step
-    k: Any                # per leaf: entries kept per slice at the last step
+    q: jax.Array          # (F,) per leaf: the drop fraction in force at the last step
+    k: jax.Array          # (F,) per leaf: int32 entries kept per slice at the last step
     nonfinite: jax.Array
 
 
 @stats_lib.diagnostic("l1q_normalize", ("q", "k", "nonfinite"), per_leaf=("q", "k"))
 class L1qState(NamedTuple):
     key: jax.Array
-    q: Any
-    k: Any
+    q: jax.Array          # (F,) per leaf, as TopQState's
+    k: jax.Array          # (F,) per leaf
     nonfinite: jax.Array
 
 
 @stats_lib.diagnostic("clamp", ("clipped", "nonfinite"), per_leaf=("clipped",))
 class ClampState(NamedTuple):
-    clipped: Any          # per leaf: whether any element was clamped
+    clipped: jax.Array    # (F,) per leaf: bool, whether any element was clamped
     nonfinite: jax.Array
     count: jax.Array      # int32 finite steps: the count that threshold schedules see
 
@@ -243,16 +243,15 @@ def _top_q_family(name: str, state_cls: type, q: Any, dq: Any, param_ndim: Any, 
         del params
         leaves, treedef = jax.tree.flatten(updates)
         cut = slices.slicing(leaves, updates, param_ndim, axis_name)
-        key, q_of, k_of = fraction.draw(state.key, leaves, cut.sizes)
+        key, q, k, k_of = fraction.draw(state.key, leaves, cut.sizes)
         ranked = leaves_fn(leaves, cut.axes, k_of, cut.split)
         new_leaves = [_affine(r, grad_scale, grad_bias) if norms.is_float(g) else g
                       for g, r in zip(leaves, ranked, strict=True)]
-        new_state = state_cls(key, treedef.unflatten(q_of),
-                              treedef.unflatten(slices.k_arrays(k_of)), state.nonfinite)
+        new_state = state_cls(key, q, k, state.nonfinite)
         finite = stats_lib.all_finite(updates, axis_name)
         return treedef.unflatten(new_leaves), stats_lib.commit(finite, new_state, state)
 
-    return checks.transformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn, pairs_leaves=True)
 
 
 def top_q(q: float, dq: float = 0.0, param_ndim: int | None = -1, grad_scale: float = 1.0,
@@ -290,7 +289,8 @@ def top_q(q: float, dq: float = 0.0, param_ndim: int | None = -1, grad_scale: fl
 
     Returns:
       An ``optax.GradientTransformation`` whose state holds the PRNG key and logs, per leaf,
-      the ``q`` in force and the number ``k`` of entries kept per slice.
+      the ``q`` in force and the number ``k`` of entries kept per slice, each as one vector
+      over the floating leaves (:func:`optclip.per_leaf` gives a tree).
 
     References:
       rai_toolbox ``TopQGradientOptimizer``. Differences: ``q`` has no
@@ -331,7 +331,8 @@ def l1q_normalize(q: float, dq: float = 0.0, param_ndim: int | None = -1, eps: f
 
     Returns:
       An ``optax.GradientTransformation`` whose state holds the PRNG key and logs, per leaf,
-      the ``q`` in force and the number ``k`` of entries kept per slice.
+      the ``q`` in force and the number ``k`` of entries kept per slice, each as one vector
+      over the floating leaves (:func:`optclip.per_leaf` gives a tree).
 
     References:
       rai_toolbox ``L1qNormedGradientOptim``. Differences as in
@@ -380,7 +381,8 @@ def clamp(clamp_min: float | None = None, clamp_max: float | None = None,
 
     Returns:
       An ``optax.GradientTransformation`` whose state logs, per leaf, whether any element was
-      ``clipped``, and a ``nonfinite`` step count.
+      ``clipped`` (one vector over the floating leaves; :func:`optclip.per_leaf` gives a
+      tree), and a ``nonfinite`` step count.
 
     References:
       rai_toolbox ``ClampedGradientOptimizer``.
@@ -397,8 +399,8 @@ def clamp(clamp_min: float | None = None, clamp_max: float | None = None,
     norms.check_axis_name(axis_name)
 
     def init_fn(params):
-        return ClampState(slices.per_leaf(lambda x: jnp.zeros((), bool), params),
-                          jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32))
+        return ClampState(leafvec.full(params, False, jnp.bool_), jnp.zeros([], jnp.int32),
+                          jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
         del params
@@ -408,4 +410,4 @@ def clamp(clamp_min: float | None = None, clamp_max: float | None = None,
         return norms.float_map(lambda g: _affine(g, grad_scale, grad_bias), clamped), (
             stats_lib.commit(finite, new_state, state))
 
-    return checks.transformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn, pairs_leaves=True)

@@ -41,27 +41,29 @@ class ProjectL2BallState(NamedTuple):
 
 @stats_lib.diagnostic("project_linf_ball", ("projected", "nonfinite"), per_leaf=("projected",))
 class ProjectLinfBallState(NamedTuple):
-    projected: Any        # per leaf: whether any element of params + u was moved
+    projected: jax.Array  # (F,) per leaf: bool, whether any element of params + u was moved
     nonfinite: jax.Array
     count: jax.Array
 
 
 @stats_lib.diagnostic("clamp_params", ("projected", "nonfinite"), per_leaf=("projected",))
 class ClampParamsState(NamedTuple):
-    projected: Any
+    projected: jax.Array  # (F,) per leaf: bool, as ProjectLinfBallState's
     nonfinite: jax.Array
     count: jax.Array
 
 
-def _projection(name: str, measure, apply, state_cls: type, limits, axis_name: norms.AxisName
-                ) -> optax.GradientTransformation:
+def _projection(name: str, measure, apply, state_cls: type, limits, axis_name: norms.AxisName,
+                pairs_leaves: bool = False) -> optax.GradientTransformation:
     """A post-step projection of ``x = params + u``.
 
-    ``measure(build, at) -> (diagnostic trees, per-leaf finiteness flags, measured)`` holds
-    every reduction over ``x = build()`` (the finiteness of the step is read off the same pass;
-    a rarely taken branch rebuilds ``x`` instead of having it written out);
-    ``apply(x, at, measured) -> P(x)`` is elementwise. ``limits(count)`` resolves the
-    float-or-schedule radius or bounds ``at`` at the count of finite steps.
+    ``measure(build, at) -> (diagnostics, finiteness flags, measured)`` holds every reduction
+    over ``x = build()`` (the finiteness of the step is read off the same pass; a rarely taken
+    branch rebuilds ``x`` instead of having it written out); the diagnostics are trees (per
+    slice) or per-leaf vectors, the flags (per leaf, or one for all leaves) hold on this
+    device. ``apply(x, at, measured) -> P(x)`` is elementwise. ``limits(count)`` resolves the
+    float-or-schedule radius or bounds ``at`` at the count of finite steps. ``pairs_leaves``:
+    the diagnostics are per-leaf vectors (:func:`optclip._core.checks.transformation`).
     """
     norms.check_axis_name(axis_name)
 
@@ -93,7 +95,7 @@ def _projection(name: str, measure, apply, state_cls: type, limits, axis_name: n
         new_state = state_cls(*diag, state.nonfinite, optax.safe_increment(state.count))
         return new_updates, stats_lib.commit(finite, new_state, state)
 
-    return checks.transformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn, pairs_leaves=pairs_leaves)
 
 
 def _plain_norm(x: jax.Array, axes: tuple[int, ...] | None, split: tuple[str, ...]
@@ -233,14 +235,13 @@ def _box_projection(name: str, state_cls: type, bounds, axis_name: norms.AxisNam
     """``clip(x, low, high)`` with ``bounds(count) -> (low, high)`` (``None``: unbounded)."""
 
     def measure(build, at):
-        targets = build(True)
-        moved, flags = slices.excess_flags(jax.tree.leaves(targets), *at, axis_name)
-        return (jax.tree.structure(targets).unflatten(moved),), flags, None
+        moved, finite = slices.excess_flags(jax.tree.leaves(build(True)), *at, axis_name)
+        return (moved,), [finite], None
 
     def apply(targets, at, measured):
         return norms.float_map(lambda x: slices.clip(x, *at), targets)
 
-    return _projection(name, measure, apply, state_cls, bounds, axis_name)
+    return _projection(name, measure, apply, state_cls, bounds, axis_name, pairs_leaves=True)
 
 
 def project_linf_ball(epsilon: float, *, axis_name: norms.AxisName = None
@@ -260,7 +261,8 @@ def project_linf_ball(epsilon: float, *, axis_name: norms.AxisName = None
 
     Returns:
       An ``optax.GradientTransformation`` whose state logs, per leaf, whether any element was
-      ``projected``.
+      ``projected`` (one vector over the floating leaves; :func:`optclip.per_leaf` gives a
+      tree).
 
     References:
       rai_toolbox ``LinfProjectedOptim``'s post-step projection; the
@@ -301,7 +303,8 @@ def clamp_params(clamp_min: float | None = None, clamp_max: float | None = None,
 
     Returns:
       An ``optax.GradientTransformation`` whose state logs, per leaf, whether any element was
-      ``projected``.
+      ``projected`` (one vector over the floating leaves; :func:`optclip.per_leaf` gives a
+      tree).
 
     References:
       rai_toolbox ``ClampedParameterOptimizer``.

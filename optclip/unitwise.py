@@ -15,10 +15,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optclip._core import axes as axes_lib
-from optclip._core import checks, norms, slices
+from optclip._core import checks, leafvec, norms, slices
 from optclip._core import stats as stats_lib
 from optclip._core.checks import ScalarOrSchedule
 from optclip._core.norms import AxisName
@@ -99,8 +100,9 @@ def flax_unit_axes(stacked: int | Callable[[tuple], int] = 0, *, vectors: bool =
                       per_leaf=("max_ratio", "clipped"))
 class AdaptiveGradClipState(NamedTuple):
     count: jax.Array      # int32 steps taken (for a ``clipping`` schedule)
-    max_ratio: Any        # per leaf: largest ||G_unit|| / max(||W_unit||, eps) (last finite)
-    clipped: Any          # per leaf: fraction of units clipped at the last step
+    max_ratio: jax.Array  # (F,) per leaf: largest ||G_unit|| / max(||W_unit||, eps) (last
+                          # finite value)
+    clipped: jax.Array    # (F,) per leaf: fraction of units clipped at the last step
     nonfinite: jax.Array  # int32 steps whose gradients were not finite
 
 
@@ -143,7 +145,8 @@ def adaptive_grad_clip(
     Returns:
       An ``optax.GradientTransformation`` whose ``update`` needs ``params``. Its state logs,
       per leaf, the largest gradient-to-weight ratio ``max_ratio`` and the fraction of units
-      ``clipped``.
+      ``clipped``, each as one vector over the floating leaves (:func:`optclip.per_leaf` gives
+      a tree).
 
     References:
       Brock et al., "High-Performance Large-Scale Image Recognition Without Normalization",
@@ -167,8 +170,9 @@ def adaptive_grad_clip(
     norms.check_axis_name(axis_name)
     unit_dim = flax_unit_axes() if dim is None else dim
 
-    def measure(updates, params, bound):
-        """``(clipped updates, max ratio, clipped fraction, finite)``: trees, then a bool."""
+    def measure(updates, params, bound, like):
+        """``(clipped updates, max ratio, clipped fraction, finite)``: a tree, two per-leaf
+        vectors of ``like``'s dtype, and whether every unit norm is finite on this device."""
         leaves, treedef = jax.tree.flatten(updates)
         param_leaves = treedef.flatten_up_to(params)
         dims = axes_lib.leaf_dims(unit_dim, params)
@@ -183,19 +187,19 @@ def adaptive_grad_clip(
         # (one kernel for them all instead of one or more per leaf).
         peaks = norms.leaf_reductions([c[1] for c in clipped], lambda r: r, "max")
         hits = norms.leaf_reductions([c[2] for c in clipped], lambda h: h)
-        results = dict(zip(floats, (
-            (out, jnp.maximum(peak, 0).astype(ratio.dtype),
-             total / max(ratio.size, 1), jnp.isfinite(total))
-            for (out, ratio, _), peak, total in zip(clipped, peaks, hits))))
-        outs = [results.get(i, (g, None, None, None)) for i, g in enumerate(leaves)]
-        finite = stats_lib.all_of([r[3] for r in results.values()])
-        return (*(treedef.unflatten([r[n] for r in outs]) for n in range(3)), finite)
+        outs = iter(out for out, _, _ in clipped)
+        new_leaves = [next(outs) if norms.is_float(g) else g for g in leaves]
+        # The statistics are taken from vectors of these reductions: a per-leaf maximum,
+        # division or finiteness test costs a kernel per leaf.
+        totals = leafvec.stack(hits, like)
+        units = np.asarray([max(ratio.size, 1) for _, ratio, _ in clipped])
+        return (treedef.unflatten(new_leaves), jnp.maximum(leafvec.stack(peaks, like), 0),
+                _fractions(totals, units, leafvec.groups(leaves), like),
+                jnp.all(jnp.isfinite(totals)))
 
     def init_fn(params):
-        ratio, clipped = stats_lib.zeros_like_params(
-            lambda p: measure(p, p, jnp.ones((), norms.stat_dtype()))[1:3], params)
-        return AdaptiveGradClipState(jnp.zeros([], jnp.int32), ratio, clipped,
-                                     jnp.zeros([], jnp.int32))
+        return AdaptiveGradClipState(jnp.zeros([], jnp.int32), leafvec.full(params, 0.0),
+                                     leafvec.full(params, 0.0), jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
         if params is None:
@@ -203,14 +207,23 @@ def adaptive_grad_clip(
                              "update(updates, state, params)")
         bound = checks.resolve(clipping, state.count, norms.stat_dtype())
         # The gradient norms see every NaN/Inf: no separate pass over the gradients to find one.
-        new_updates, ratio, clipped, finite = measure(updates, params, bound)
+        new_updates, ratio, clipped, finite = measure(updates, params, bound, state.max_ratio)
         finite = norms.all_true(finite, axis_name)
         return new_updates, AdaptiveGradClipState(
             optax.safe_increment(state.count), stats_lib.keep_finite(ratio, state.max_ratio),
             stats_lib.keep_finite(clipped, state.clipped),
             stats_lib.count_nonfinite(state.nonfinite, finite))
 
-    return checks.transformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn, pairs_leaves=True)
+
+
+def _fractions(totals: jax.Array, units: np.ndarray, group_list: list[leafvec.Group],
+               like: jax.Array) -> jax.Array:
+    """Per leaf, its entry of ``totals`` (clipped units) over its number of ``units``, divided
+    in the leaf's statistics dtype (as the leaf's own value would be), for the whole vector."""
+    parts = [leafvec.take(totals, group) / units[group.positions].astype(group.dtype)
+             for group in group_list]
+    return leafvec.assemble(parts, group_list, like)
 
 
 def _unit_axes(g: jax.Array, leaf_dim: Any) -> tuple[int, ...]:

@@ -168,7 +168,7 @@ def test_top_q_count_is_double_precision_half_to_even(size, q, kept):
     tx = optclip.top_q(q, param_ndim=None)
     out, state = tx.update(g, tx.init(g))
     assert int(jnp.sum(out != 0)) == kept
-    assert int(state.k) == kept
+    assert state.k.shape == (1,) and int(optclip.per_leaf(state.k, g)) == kept
 
 
 # ---------------------------------------------------------------------------------------------
@@ -796,14 +796,15 @@ def test_random_q_draws_stay_in_range_differ_between_steps_and_set_k():
     drawn = []
     for _ in range(40):
         out, state = update(tree, state)
+        q_of, k_of = optclip.per_leaf(state.q, tree), optclip.per_leaf(state.k, tree)
         for name, size in (("a", 10), ("b", 1)):
-            q_t = np.float32(state.q[name])
+            q_t = np.float32(q_of[name])
             assert q - dq <= q_t < q + dq
             k = round((1 - float(q_t)) * size)   # the reference forms k in double
-            assert int(state.k[name]) == k
+            assert int(k_of[name]) == k
             kept = np.sum(oracle_slices(np.asarray(out[name]), -1) != 0, 1)
             assert np.all(kept == k)
-        drawn.append((float(state.q["a"]), float(state.q["b"])))
+        drawn.append((float(q_of["a"]), float(q_of["b"])))
     a, b = np.asarray(drawn).T
     assert len(set(a)) == len(a) and not np.array_equal(a, b)   # steps and leaves differ
     assert abs(np.mean(a) - q) < 0.06 and np.std(a) > 0.1        # roughly uniform on [0.2, 0.8)
@@ -816,6 +817,8 @@ def test_drawn_q_to_k_matches_the_reference_draws(q_t, size, k):
     """The q_t torch drew for the top-q vectors (seed 123) and the k it used."""
     from optclip._core.slices import traced_k as _traced_k
     assert int(_traced_k(jnp.float32(q_t), size)) == k
+    # The state's vector of k (one entry per leaf) is formed the same way, elementwise.
+    assert _traced_k(jnp.float32([q_t, 0.5]), np.array([size, 3])).tolist() == [k, 2]
 
 
 def test_random_q_edges_clip_to_unit_interval_and_seed_matters():
@@ -827,8 +830,8 @@ def test_random_q_edges_clip_to_unit_interval_and_seed_matters():
         state = tx.init(tree)
         for _ in range(30):
             out, state = update(tree, state)
-            assert 0.4 <= float(state.q) <= 1.0
-        q_values.append(float(state.q))
+            assert 0.4 <= float(optclip.per_leaf(state.q, tree)) <= 1.0
+        q_values.append(float(optclip.per_leaf(state.q, tree)))
     assert q_values[0] != q_values[1]
 
 
@@ -1009,11 +1012,12 @@ def test_top_q_ranks_a_tree_of_leaves_together_ties_in_one_leaf_only(dq):
     state = tx.init(grads)
     for _ in range(3):
         out, state = step(grads, state)
+        k_of = optclip.per_leaf(state.k, grads)
         for name in ("ties", "distinct"):
-            want = _top_k_oracle(grads[name], int(state.k[name]))
+            want = _top_k_oracle(grads[name], int(k_of[name]))
             np.testing.assert_array_equal(np.asarray(out[name]), want, err_msg=name)
         # One-element slices (a vector with param_ndim=-1): kept iff k rounds to 1.
-        np.testing.assert_array_equal(out["vector"], grads["vector"] * int(state.k["vector"]))
+        np.testing.assert_array_equal(out["vector"], grads["vector"] * int(k_of["vector"]))
 
 
 @pytest.mark.parametrize("kind,norm", [("l2", lambda x: np.sqrt(np.sum(x * x))),
@@ -1047,18 +1051,19 @@ def test_clamp_flags_and_finiteness_per_leaf():
     tx = optclip.clamp(-1.0, 1.0)
     step = jax.jit(tx.update)
     g = {"a": arr([0.5, 3.0]), "b": arr([0.1, -0.2]), "c": arr([[-4.0, 0.0]])}
+    clipped = lambda state: [bool(v) for v in optclip.per_leaf(state.clipped, g).values()]
     out, state = step(g, tx.init(g))
-    assert [bool(state.clipped[k]) for k in "abc"] == [True, False, True]
+    assert clipped(state) == [True, False, True]
     assert (int(state.count), int(state.nonfinite)) == (1, 0)
     np.testing.assert_array_equal(out["a"], [0.5, 1.0])
     for bad in (np.nan, np.inf, -np.inf):
         out, after = step(dict(g, b=arr([bad, 0.0])), state)
         assert (int(after.count), int(after.nonfinite)) == (1, 1), bad
-        assert [bool(after.clipped[k]) for k in "abc"] == [True, False, True]
+        assert clipped(after) == [True, False, True]
         np.testing.assert_array_equal(out["a"], [0.5, 1.0])
     out, state = step({"a": arr([0.5, 0.0]), "b": arr([2.0, 0.0]), "c": arr([[1.0, -1.0]])},
                       state)
-    assert [bool(state.clipped[k]) for k in "abc"] == [False, True, False]
+    assert clipped(state) == [False, True, False]
     assert (int(state.count), int(state.nonfinite)) == (2, 0)
 
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optclip._core import axes as axes_lib
-from optclip._core import checks, handout, norms, stats
+from optclip._core import checks, handout, leafvec, norms, stats
 
 # rai_toolbox's ``div_by_zero_eps`` default: float32's smallest normal number, 2**-126.
 TINY = float(np.finfo(np.float32).tiny)
@@ -77,11 +77,6 @@ def slicing(leaves: list, tree: Any, param_ndim: Any, axis_name: norms.AxisName)
     sizes = [None if axes is None else axes_lib.slice_size(x.shape, axes) * norms.axes_size(s)
              for x, axes, s in zip(leaves, axes_of, split_of)]
     return Slicing(axes_of, split_of, sizes)
-
-
-def per_leaf(fn, tree: Any) -> Any:
-    """A per-leaf diagnostic tree: ``fn(x)`` for float leaves, ``None`` elsewhere."""
-    return jax.tree.map(lambda x: fn(x) if norms.is_float(x) else None, tree)
 
 
 def require_params(params: Any, name: str) -> None:
@@ -602,8 +597,9 @@ def static_k(q: float, size: int) -> int:
     return round((1.0 - float(q)) * size)
 
 
-def traced_k(q: jax.Array, size: int) -> jax.Array:
-    """``round((1 - q) * D)`` on device, half to even, in float64 under x64 else float32."""
+def traced_k(q: jax.Array, size: Any) -> jax.Array:
+    """``round((1 - q) * D)`` on device, half to even, in float64 under x64 else float32 (for
+    one ``q`` and size ``D``, or elementwise for a vector of each)."""
     wide = norms.stat_dtype()
     return jnp.round((1 - q.astype(wide)) * size).astype(jnp.int32)
 
@@ -683,38 +679,42 @@ def _signs_over_count(kept: jax.Array, axes: tuple[int, ...], split: tuple[str, 
     return signs / _divisor(count, eps)
 
 
-def logged_q(q: Any, leaf: jax.Array) -> jax.Array:
-    """``q`` as drawn (float32, as torch), stored in the leaf's statistics dtype (float64 for a
-    float64 leaf, like every statistic)."""
-    return jnp.asarray(q, jnp.float32).astype(norms.acc_dtype(leaf.dtype))
+def logged_q(q: Any, dtype: Any) -> jax.Array:
+    """``q`` as drawn (float32, as torch), stored in the statistics dtype ``dtype`` (float64
+    when the tree has a float64 leaf, like every statistic; exact)."""
+    return jnp.asarray(q, jnp.float32).astype(dtype)
 
 
 class DropFraction:
-    """Static-or-drawn ``q`` per leaf and the matching ``k``."""
+    """Static-or-drawn ``q`` per leaf and the matching ``k``.
+
+    The state keeps both as per-leaf vectors (:mod:`optclip._core.leafvec`): ``q`` in the
+    tree's statistics dtype, ``k`` as int32."""
 
     def __init__(self, q: Any, dq: Any, seed: int):
         self.q, self.dq, self.seed = q, dq, seed
         self.static = is_number(q) and is_number(dq) and dq == 0
 
-    def init(self, params: Any) -> tuple[jax.Array, Any, Any]:
-        """The key, and ``q``/``k`` trees holding ``q`` and 0 until the first step."""
+    def init(self, params: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The key, and the ``q``/``k`` vectors holding ``q`` and 0 until the first step."""
         key = jax.random.PRNGKey(self.seed)
-        q = per_leaf(lambda x: logged_q(self.q, x), params)
-        k = per_leaf(lambda x: jnp.zeros((), jnp.int32), params)
-        return key, q, k
+        q = leafvec.full(params, logged_q(self.q, norms.stat_dtype(params)))
+        return key, q, leafvec.full(params, 0, jnp.int32)
 
-    def draw(self, key: jax.Array, leaves: list, sizes: list) -> tuple[jax.Array, list, list]:
-        """``(new key, q per leaf, k per leaf)`` for flattened ``leaves`` whose slices hold
-        ``sizes`` entries (``None`` for non-float leaves); ``k`` holds Python ints when ``q`` is
-        static."""
+    def draw(self, key: jax.Array, leaves: list, sizes: list
+             ) -> tuple[jax.Array, jax.Array, jax.Array, list]:
+        """``(new key, q vector, k vector, k per leaf)`` for flattened ``leaves`` whose slices
+        hold ``sizes`` entries (``None`` for non-float leaves): the vectors for the state, one
+        entry per float leaf; ``k`` per leaf for the ranking (``None`` at other leaves), Python
+        ints when ``q`` is static."""
         floats = [i for i, x in enumerate(leaves) if norms.is_float(x)]
-        q_of: list[Any] = [None] * len(leaves)
+        dtype = norms.stat_dtype(leaves)
         k_of: list[Any] = [None] * len(leaves)
         if self.static:
             for i in floats:
-                q_of[i] = logged_q(self.q, leaves[i])
                 k_of[i] = static_k(self.q, sizes[i])
-            return key, q_of, k_of
+            return (key, jnp.full((len(floats),), logged_q(self.q, dtype)),
+                    jnp.asarray([k_of[i] for i in floats], jnp.int32), k_of)
         key, subkey = jax.random.split(key)
         u = jax.random.uniform(subkey, (len(floats),), jnp.float32)
         q = jnp.asarray(self.q, jnp.float32)
@@ -724,14 +724,10 @@ class DropFraction:
         # One float32 q per leaf: q_lo + (q_hi - q_lo) * u, as torch forms it. k in the widest
         # float available (the reference uses double; float32 can differ only at exact .5).
         q_t = (q_hi - q_lo) * u + q_lo
-        for j, i in enumerate(floats):
-            q_of[i] = logged_q(q_t[j], leaves[i])
-            k_of[i] = traced_k(q_t[j], sizes[i])
-        return key, q_of, k_of
-
-
-def k_arrays(k_of: list) -> list:
-    return [None if k is None else jnp.asarray(k, jnp.int32) for k in k_of]
+        k = traced_k(q_t, np.asarray([sizes[i] for i in floats], norms.stat_dtype()))
+        for i, (k_i,) in zip(floats, handout.rows((k,))):
+            k_of[i] = k_i
+        return key, logged_q(q_t, dtype), k, k_of
 
 
 def bounds_at(count: jax.Array, low: Any, high: Any) -> tuple[Any, Any]:
@@ -740,18 +736,15 @@ def bounds_at(count: jax.Array, low: Any, high: Any) -> tuple[Any, Any]:
 
 
 def clamped_leaves(tree: Any, low: Any, high: Any, axis_name: norms.AxisName
-                   ) -> tuple[Any, Any, jax.Array]:
-    """``(clip(tree, low, high), moved, finite)``: with ``moved`` per float leaf (whether any
-    element changed, on any device along ``axis_name``; ``None`` for other leaves) and whether
+                   ) -> tuple[Any, jax.Array, jax.Array]:
+    """``(clip(tree, low, high), moved, finite)``: with ``moved`` one bool per float leaf, in
+    leaf order (whether any element changed, on any device along ``axis_name``) and whether
     every float element is finite (on every device along ``axis_name``), from one reduction of
-    each leaf (:func:`excesses`): it is non-zero exactly when some element was moved, and NaN
-    exactly when some element is not finite. ``moved`` is only meaningful on a finite step
-    (where it is not, the step is not committed). The clamp waits for the check: with donated
-    gradients XLA would otherwise copy every leaf to keep it for the reductions."""
-    leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: x is None)
-    moved, flags = excess_flags(leaves, low, high, axis_name)
-    finite = stats.all_of(flags, axis_name)
-    moved = treedef.unflatten(moved)
+    each leaf (:func:`excess_flags`). ``moved`` is only meaningful on a finite step (where it
+    is not, the step is not committed). The clamp waits for the check: with donated gradients
+    XLA would otherwise copy every leaf to keep it for the reductions."""
+    moved, local = excess_flags(jax.tree.leaves(tree), low, high, axis_name)
+    finite = norms.all_true(local, axis_name)
     low, high = stats.after(finite, (low, high))
     return norms.float_map(lambda x: clip(x, low, high), tree), moved, finite
 
@@ -769,15 +762,17 @@ def excesses(arrays: list[jax.Array], low: Any, high: Any) -> list[jax.Array]:
 
 
 def excess_flags(leaves: list, low: Any, high: Any, axis_name: norms.AxisName
-                 ) -> tuple[list, list]:
-    """From one :func:`excesses` sum per float leaf of ``leaves``: per leaf whether any element
-    lies outside ``[low, high]`` on any device along ``axis_name`` (``None`` for the other
-    leaves; meaningful on a finite step only), and per float leaf whether every element on
-    this device is finite."""
-    sums = iter(excesses([x for x in leaves if norms.is_float(x)], low, high))
-    excess = [next(sums) if norms.is_float(x) else None for x in leaves]
-    return ([None if e is None else norms.any_true(e != 0, axis_name) for e in excess],
-            [~jnp.isnan(e) for e in excess if e is not None])
+                 ) -> tuple[jax.Array, jax.Array]:
+    """From one :func:`excesses` sum per float leaf of ``leaves``: one bool per float leaf, in
+    leaf order, whether any element lies outside ``[low, high]`` on any device along
+    ``axis_name`` (meaningful on a finite step only), and whether every float element on this
+    device is finite. Both are read off one vector of the sums (a comparison per leaf would
+    cost a kernel per leaf)."""
+    floats = [x for x in leaves if norms.is_float(x)]
+    if not floats:
+        return jnp.zeros((0,), bool), jnp.asarray(True)
+    sums = norms.gather_scalars(excesses(floats, low, high))
+    return norms.any_true(sums != 0, axis_name), jnp.all(~jnp.isnan(sums))
 
 
 def _excess_terms(x: jax.Array, low: Any, high: Any) -> jax.Array:
