@@ -74,8 +74,9 @@ def adagc(
     Returns:
       An ``optax.GradientTransformation``. Its state keeps one scalar per leaf, each field as
       one vector over the floating leaves (``gamma``, ``norm``, ``scale``, ``clipped``;
-      :func:`optclip.per_leaf` gives a tree); ``optclip.stats`` reports ``adagc/norm_max``, ``norm_mean``, ``gamma_max``, ``gamma_mean``, ``scale_max``,
-      ``scale_mean``, ``clipped_frac``, ``count`` and ``nonfinite``.
+      :func:`optclip.per_leaf` gives a tree); ``optclip.stats`` reports ``adagc/norm_max``,
+      ``norm_mean``, ``gamma_max``, ``gamma_mean``, ``scale_max``, ``scale_mean``,
+      ``clipped_frac``, ``count`` and ``nonfinite``.
 
     References:
       Wang et al., "AdaGC: Enhancing LLM Pretraining Stability via Adaptive Gradient
