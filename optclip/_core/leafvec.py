@@ -80,6 +80,16 @@ def assemble(parts: list[jax.Array], group_list: list[Group], like: jax.Array) -
     return out
 
 
+def from_scalars(values: dict[int, jax.Array], leaves: list[Any], like: jax.Array
+                 ) -> jax.Array:
+    """One per-leaf vector (of ``like``'s shape and dtype) from 0-d values computed leaf by
+    leaf (``{index in leaves: value}``, every floating leaf of ``leaves``): gathered by
+    statistics dtype (:func:`optclip._core.norms.gather_scalars`), then :func:`assemble`."""
+    group_list = groups(leaves)
+    return assemble([norms.gather_scalars([values[i] for i in group.leaves])
+                     for group in group_list], group_list, like)
+
+
 def per_leaf(values: Any, like: Any) -> Any:
     """A per-leaf vector of an optclip state as a tree mirroring ``like``.
 
