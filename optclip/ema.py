@@ -618,11 +618,13 @@ def clip_value_by_ema(
             for i in floats})
         bound, transform_state = transform.update(ema, state.ema_transform_state, params)
         (bounds,) = trees.flatten_with(updates, bound)[1]
-        outputs, clipped = _clamped(xs, [bounds[i] for i in floats], axis_name)
+        outputs, excess = _clamped(xs, [bounds[i] for i in floats], axis_name)
         new = ClipValueByEMAState(
             optax.safe_increment(state.count), ema, transform_state,
-            leafvec.from_scalars(dict(zip(floats, peaks)), leaves, state.max_abs),
-            leafvec.from_scalars(dict(zip(floats, clipped)), leaves, state.clipped),
+            leafvec.from_scalars(dict(zip(floats, peaks)), leaves, state.max_abs,
+                                 lambda p: jnp.maximum(p, 0.0)),
+            leafvec.from_scalars(dict(zip(floats, excess)), leaves, state.clipped,
+                                 lambda e: norms.any_true(e > 0, axis_name)),
             state.nonfinite)
         # The EMA was committed above (the bound reads it): not a second select over it.
         outputs = dict(zip(floats, outputs))
@@ -648,18 +650,19 @@ def _magnitude(x: jax.Array) -> jax.Array:
 def _peaks(xs: list[jax.Array], axis_name: AxisName
            ) -> tuple[list[jax.Array], list[jax.Array]]:
     """Largest ``|x|`` of each leaf: this device's reductions (same-shape leaves reduced
-    together, :func:`optclip._core.norms.leaf_reductions`), and ``norms.leaf_norm(x, inf)``
-    (combined across devices, 0 for an empty leaf)."""
+    together, :func:`optclip._core.norms.leaf_reductions`), and these combined across devices
+    (``-inf`` for an empty leaf: ``norms.leaf_norm(x, inf)`` is their maximum with 0, taken on
+    the state's vector)."""
     local = norms.leaf_reductions(xs, lambda x: jnp.abs(x.astype(norms.acc_dtype(x.dtype))),
                                   "max")
-    return local, [jnp.maximum(norms.across(p, "max", split), 0.0)
+    return local, [norms.across(p, "max", split)
                    for p, split in zip(local, norms.split_axes(xs, axis_name))]
 
 
 def _clamped(xs: list[jax.Array], bounds: list[jax.Array], axis_name: AxisName
              ) -> tuple[list[jax.Array], list[jax.Array]]:
-    """Per leaf of ``xs``: the leaf clamped to ``[-B, B]`` (its bound), and
-    whether it was clamped.
+    """Per leaf of ``xs``: the leaf clamped to ``[-B, B]`` (its bound), and this device's
+    largest ``|x| - B`` (the leaf was clamped where it is ``> 0`` on some device).
 
     The clamp is applied where the leaf was clamped somewhere (elsewhere it is the identity),
     so XLA computes that flag before it writes the output, and can write the output over the
@@ -671,11 +674,10 @@ def _clamped(xs: list[jax.Array], bounds: list[jax.Array], axis_name: AxisName
     # |x| as |-x| here (the same values): see _magnitude.
     excess = norms.leaf_reductions([jnp.abs(-w) - b for w, b in zip(wide, bounds)],
                                    lambda v: v, "max")
-    outputs, clipped = [], []
+    outputs = []
     for x, w, b, e in zip(xs, wide, bounds, excess):
         flag = norms.any_true(e > 0, axis_name)
         # Lower clamp first, then the upper one: where B < 0 the result is B.
         clamped = jnp.minimum(jnp.maximum(w, -b), b).astype(x.dtype)
         outputs.append(jax.lax.select(flag, clamped, x))
-        clipped.append(flag)
-    return outputs, clipped
+    return outputs, excess

@@ -157,11 +157,10 @@ def clip_value_growth(
             zero))
 
     def leaves_stats(xs, prevs, hp):
-        """Per floating leaf, ``(finite, max ratio, limited somewhere)``."""
-        if identity:
+        """Per floating leaf, ``(finite, combined reductions)`` (:func:`_values_stats`)."""
+        if identity:    # a ratio of 1 that limits nothing
             sums = norms.leaf_reductions(xs, stats_lib.nan_marks)
-            return [(t == 0, jnp.ones((), p.dtype), jnp.zeros((), bool))
-                    for t, p in zip(sums, prevs)]
+            return [(t == 0, (jnp.ones((), p.dtype), t)) for t, p in zip(sums, prevs)]
         return _values_stats(xs, prevs, hp, axis_name)
 
     def update_fn(updates, state, params=None):
@@ -175,7 +174,8 @@ def clip_value_growth(
         ok = stats_lib.all_of([measured[i][0] for i in floats], axis_name)
 
         def step(i):
-            finite, ratio, limited = measured[i]
+            finite, combined = measured[i]
+            ratio, limited = _ratio_flags(*combined, hp)
             changed = limited | ~finite
             if hp.mul is None:   # the same flag (a NaN ratio: a NaN update), now read after
                 changed = changed | jnp.isnan(ratio)    # the ratio's reduction (see below)
@@ -205,12 +205,19 @@ def clip_value_growth(
         outputs, new_prev = list(leaves), list(prevs)
         for i, out, new_ref in zip(floats, outs, news):
             outputs[i], new_prev[i] = out, new_ref
-        ratios = {i: jnp.where(first, 1, measured[i][1]).astype(measured[i][1].dtype)
-                  for i in floats}
-        clipped = {i: measured[i][2] & ~first for i in floats}
-        fields = stats_lib.keep_if(ok, (leafvec.from_scalars(ratios, leaves, state.max_ratio),
-                                        leafvec.from_scalars(clipped, leaves, state.clipped)),
-                                   (state.max_ratio, state.clipped))
+        # The state's entries from the leaves' reductions, gathered as they are: the ratio and
+        # the flag are then taken once, on the vectors (no kernel per leaf for them).
+        combined = {i: measured[i][1] for i in floats}
+
+        def max_ratio(m, total):
+            ratio = _ratio_flags(m, total, hp)[0]
+            return jnp.where(first, 1, ratio).astype(ratio.dtype)
+
+        fields = stats_lib.keep_if(ok, (
+            leafvec.from_scalars(combined, leaves, state.max_ratio, max_ratio),
+            leafvec.from_scalars(combined, leaves, state.clipped,
+                                 lambda m, total: _ratio_flags(m, total, hp)[1] & ~first)),
+            (state.max_ratio, state.clipped))
         new = ClipValueGrowthState(
             jnp.where(ok, optax.safe_increment(state.count), state.count),
             treedef.unflatten(new_prev), *fields,
@@ -262,7 +269,8 @@ def _value_limit(wide: jax.Array, prev: jax.Array, hp: _Limits, steep: bool = Fa
 
 def _values_stats(xs: list[jax.Array], prevs: list[jax.Array], hp: _Limits,
                   axis_name: AxisName) -> list[tuple]:
-    """Per leaf, ``(finite, max ratio, limited somewhere)``, before anything is written.
+    """Per leaf, ``(finite, (largest ratio, sum))`` before anything is written, the two
+    reductions combined across devices as :func:`_ratio_flags` reads them.
 
     Two reductions per leaf, each reading its update and reference at most once: the largest
     growth ratio, and a sum that is NaN exactly when an update is not finite and otherwise
@@ -281,16 +289,25 @@ def _values_stats(xs: list[jax.Array], prevs: list[jax.Array], hp: _Limits,
                                      lambda t: t)
     stats = []
     for m, total, sp in zip(maxima, sums, split):
-        ratio = jnp.maximum(norms.across(m, "max", sp), _const(_MIN_RATIO, m))
-        limited = jnp.zeros((), bool)
-        if hp.mul is not None:     # ~(m <= mul): also where a NaN was kept in the maximum
-            limited = ~(ratio <= _const(hp.mul, ratio))
         if hp.add is None:
-            stats.append((total == 0, ratio, limited))
-        else:                      # ~(t <= 0): also where the sum is NaN
-            capped = norms.across((~(total <= 0)).astype(jnp.int32), "max", sp) > 0
-            stats.append((jnp.isfinite(total), ratio, limited | capped))
+            stats.append((total == 0, (norms.across(m, "max", sp), total)))
+        else:   # across devices, the sum as 1 where some device's is ~(t <= 0), else 0
+            marks = total if not sp else norms.across(
+                (~(total <= 0)).astype(total.dtype), "max", sp)
+            stats.append((jnp.isfinite(total), (norms.across(m, "max", sp), marks)))
     return stats
+
+
+def _ratio_flags(m: jax.Array, total: jax.Array, hp: _Limits) -> tuple[jax.Array, jax.Array]:
+    """``(max ratio, limited somewhere)`` from a leaf's combined reductions
+    (:func:`_values_stats`), elementwise: of one leaf, or of vectors of them."""
+    ratio = jnp.maximum(m, _const(_MIN_RATIO, m))
+    limited = jnp.zeros(ratio.shape, bool)
+    if hp.mul is not None:     # ~(m <= mul): also where a NaN was kept in the maximum
+        limited = ~(ratio <= _const(hp.mul, ratio))
+    if hp.add is not None:     # ~(t <= 0): also where the sum is NaN
+        limited = limited | ~(total <= 0)
+    return ratio, limited
 
 
 def _marked_excess(x: jax.Array, prev: jax.Array, hp: _Limits) -> jax.Array:
