@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optclip._core import checks, handout, norms, running, trees
+from optclip._core import checks, handout, leafvec, norms, running, trees
 from optclip._core import stats as stats_lib
 from optclip._core.norms import AxisName, Ord
 
@@ -40,35 +40,39 @@ _FIELD_NAMES = ("ema_norm", "norm", "divisor", "clipped", "capped")
 class ClipNormByEMAState(NamedTuple):
     """State of :func:`clip_norm_by_ema`.
 
-    With ``tensorwise=True`` the diagnostics hold one value per leaf (trees mirroring the
-    updates, ``None`` at non-float leaves); with ``tensorwise=False`` one scalar each.
-    ``optclip.stats`` summarises the per-leaf trees and reports the scalars as they are.
+    With ``tensorwise=True`` the diagnostics hold one value per floating leaf, each field one
+    vector of shape ``(F,)`` (entry ``j`` for the ``j``-th floating leaf of
+    ``jax.tree.leaves(params)``; :func:`optclip.per_leaf` gives a tree); with
+    ``tensorwise=False`` one scalar each. ``optclip.stats`` summarises the per-leaf vectors and
+    reports the scalars as they are.
     """
 
     count: jax.Array      # int32 finite steps taken (0: the next finite step starts the EMA)
-    ema: Any              # per leaf: EMA of the updates (leaf shape, float32 or wider)
-    ema_norm: Any         # per group: norm of the stored EMA after the growth cap
-    norm: Any             # per group: norm of the last finite update
-    divisor: Any          # what that update was divided by
-    clipped: Any          # divisor > 1: the update was scaled down
-    capped: Any           # the growth cap rescaled the stored EMA
+    ema: Any              # per leaf: EMA of the updates (a tree, leaf shape, float32 or wider)
+    ema_norm: jax.Array   # (F,) per leaf, or a scalar: norm of the stored EMA after the cap
+    norm: jax.Array       # (F,) per leaf, or a scalar: norm of the last finite update
+    divisor: jax.Array    # (F,) per leaf, or a scalar: what that update was divided by
+    clipped: jax.Array    # (F,) per leaf, or a scalar: bool, divisor > 1 (scaled down)
+    capped: jax.Array     # (F,) per leaf, or a scalar: bool, the growth cap rescaled the EMA
     nonfinite: jax.Array  # int32 steps whose updates were not finite (state left unchanged)
 
 
 @stats_lib.diagnostic("normalize_by_ema", _NORM_FIELDS)
 class NormalizeByEMAState(ClipNormByEMAState):
-    """State of :func:`normalize_by_ema`: the fields of :class:`ClipNormByEMAState`, per leaf
-    (``tensorwise=True``) or one scalar each (``tensorwise=False``)."""
+    """State of :func:`normalize_by_ema`: the fields of :class:`ClipNormByEMAState`, one
+    vector over the floating leaves each (``tensorwise=True``) or one scalar each
+    (``tensorwise=False``)."""
 
 
 @stats_lib.diagnostic("clip_value_by_ema", ("max_abs", "clipped", "nonfinite"),
                       per_leaf=("max_abs", "clipped"))
 class ClipValueByEMAState(NamedTuple):
     count: jax.Array            # int32 finite steps taken
-    ema: Any                    # per leaf: EMA of |update| (leaf shape, float32 or wider)
+    ema: Any                    # per leaf: EMA of |update| (a tree, leaf shape, float32 or
+                                # wider)
     ema_transform_state: Any    # state of ``ema_transform`` (``optax.EmptyState()`` without one)
-    max_abs: Any                # per leaf: largest |update| of the last finite step
-    clipped: Any                # per leaf: whether any element was clamped
+    max_abs: jax.Array          # (F,) per leaf: largest |update| of the last finite step
+    clipped: jax.Array          # (F,) per leaf: bool, whether any element was clamped
     nonfinite: jax.Array
 
 
@@ -198,11 +202,10 @@ def _norm_ema_init(params, state_cls, tensorwise: bool, ord) -> Any:
     """The initial state of the norm-referenced EMA clippers."""
     ema = _float_zeros(params)
     if tensorwise:
-        scalar = jax.tree.map(lambda e: jnp.zeros((), e.dtype), ema)
+        scalar = leafvec.full(params, 0.0)
     else:
         scalar = jnp.zeros((), jax.eval_shape(lambda t: norms.global_norm(t, ord), ema).dtype)
-    ones = jax.tree.map(jnp.ones_like, scalar)
-    flags = jax.tree.map(lambda s: jnp.zeros((), bool), scalar)
+    ones, flags = jnp.ones_like(scalar), jnp.zeros_like(scalar, bool)
     zero = jnp.zeros([], jnp.int32)
     return stats_lib.own_buffers(state_cls(zero, ema, scalar, scalar, ones, flags, flags, zero))
 
@@ -239,7 +242,7 @@ def _norm_by_ema(divisor_rule, state_cls, beta, ord, eps, tensorwise, max_ema_gr
 
         rule = _Rule(first, growth, divisor_rule, ord, eps, axis_name)
         if tensorwise:
-            ok, rows, fields = _leafwise(leaves, old, floats, move, state, treedef, rule)
+            ok, rows, fields = _leafwise(leaves, move, state, rule)
         else:
             ok, rows, fields = _whole(leaves, floats, move, state, rule)
         outputs, ema = list(leaves), list(old)
@@ -272,7 +275,8 @@ def _norm_by_ema(divisor_rule, state_cls, beta, ord, eps, tensorwise, max_ema_gr
         return treedef.unflatten(outputs), new
 
     return checks.transformation(
-        lambda params: _norm_ema_init(params, state_cls, tensorwise, ord), update_fn)
+        lambda params: _norm_ema_init(params, state_cls, tensorwise, ord), update_fn,
+        pairs_leaves=tensorwise)
 
 
 class _Rule(NamedTuple):
@@ -308,41 +312,32 @@ def _fields(norm, step: _Step) -> dict:
             "clipped": step.divisor > 1, "capped": step.capped}
 
 
-def _leafwise(leaves, old, floats, move, state, treedef, rule: _Rule):
+def _leafwise(leaves, move, state, rule: _Rule):
     """Each leaf against its own EMA: ``(ok, per-leaf (output factor, EMA factor), committed
-    state fields)``.
+    state fields)``, the fields as per-leaf vectors (:mod:`optclip._core.leafvec`).
 
     The per-leaf decisions are taken on vectors (one entry per leaf, one vector per statistics
-    dtype), so they cost a fixed number of kernels whatever the leaf count; the leaves' entries
-    are then handed out by :func:`optclip._core.handout.rows` (one kernel per group of
-    leaves).
+    dtype), so they cost a fixed number of kernels whatever the leaf count; the state keeps
+    these vectors, and only each leaf's two factors are handed out by
+    :func:`optclip._core.handout.rows` (one kernel per group of leaves).
     """
-    groups = handout.by_dtype({i: old[i].dtype for i in floats})
-    decided = {dtype: _decide_group(leaves, idx, move, state, treedef, rule)
-               for dtype, idx in groups.items()}
-    ok = stats_lib.all_of([f for _, _, flags in decided.values() for f in flags],
-                          rule.axis_name)
-    rows, fields = {}, {name: {} for name in _FIELD_NAMES}
-    for dtype, idx in groups.items():
-        norm, step, _ = decided[dtype]
-        committed = {name: jnp.where(ok, v, _gathered(state, name, treedef, idx))
-                     for name, v in _fields(norm, step).items()}
-        spread = handout.rows((1 / step.output, 1 / step.shrink, *committed.values()))
-        for i, row in zip(idx, spread):
-            rows[i] = row[:2]
-            for name, value in zip(committed, row[2:]):
-                fields[name][i] = value
-    return ok, rows, {name: trees.unflatten_at(treedef, v) for name, v in fields.items()}
+    group_list = leafvec.groups(leaves)
+    decided = [_decide_group(leaves, group, move, state, rule) for group in group_list]
+    ok = stats_lib.all_of([f for _, _, flags in decided for f in flags], rule.axis_name)
+    rows, parts = {}, {name: [] for name in _FIELD_NAMES}
+    for group, (norm, step, _) in zip(group_list, decided):
+        for name, value in _fields(norm, step).items():
+            parts[name].append(value)
+        for i, row in zip(group.leaves, handout.rows((1 / step.output, 1 / step.shrink))):
+            rows[i] = row
+    return ok, rows, {name: jnp.where(ok, leafvec.assemble(p, group_list, kept), kept)
+                      for name, p in parts.items() for kept in [getattr(state, name)]}
 
 
-def _gathered(state, name: str, treedef, idx: list[int]) -> jax.Array:
-    """The per-leaf state field ``name`` at the leaves ``idx``, as one vector."""
-    return norms.gather_scalars([treedef.flatten_up_to(getattr(state, name))[i] for i in idx])
-
-
-def _decide_group(leaves, idx, move, state, treedef, rule: _Rule):
-    """``(update norms, _Step, finiteness flags)`` of the leaves ``idx`` (one statistics dtype),
-    as vectors with one entry per leaf."""
+def _decide_group(leaves, group: leafvec.Group, move, state, rule: _Rule):
+    """``(update norms, _Step, finiteness flags)`` of the leaves of ``group`` (one statistics
+    dtype), as vectors with one entry per leaf."""
+    idx = group.leaves
     xs = [leaves[i] for i in idx]
     dtype = norms.acc_dtype(xs[0].dtype)
     split = norms.split_axes(xs, rule.axis_name)
@@ -353,7 +348,7 @@ def _decide_group(leaves, idx, move, state, treedef, rule: _Rule):
     a, b = a.astype(dtype), b.astype(dtype)
     if not measurable.all():
         a, b = jnp.where(measurable, a, 0), jnp.where(measurable, b, 0)
-    step = _decide(a, b, _gathered(state, "ema_norm", treedef, idx), rule.first, rule.growth,
+    step = _decide(a, b, leafvec.take(state.ema_norm, group), rule.first, rule.growth,
                    rule.eps, rule.divisor_rule)
     if not measurable.all():
         step = step._replace(divisor=jnp.where(measurable, step.divisor, 1),
@@ -469,7 +464,8 @@ def clip_norm_by_ema(
     Returns:
       An ``optax.GradientTransformation``. Its state logs the update ``norm``, the ``ema_norm``
       it was clipped to, the ``divisor`` applied, ``clipped``, ``capped`` (the growth cap
-      rescaled the EMA) and ``nonfinite``; per leaf, or scalars when ``tensorwise=False``.
+      rescaled the EMA) and ``nonfinite``; per leaf, each field one vector over the floating
+      leaves (:func:`optclip.per_leaf` gives a tree), or scalars when ``tensorwise=False``.
 
     References:
       torchzero ``ClipNormByEMA``; parameter names of its documented
@@ -488,7 +484,7 @@ def clip_norm_by_ema(
       >>> state = tx.init(jnp.zeros(2))
       >>> for g in ([3.0, 4.0], [0.3, 0.4], [30.0, 40.0]):
       ...     out, state = tx.update(jnp.array(g), state)
-      ...     print(out.round(4).tolist(), round(float(state.ema_norm), 4))
+      ...     print(out.round(4).tolist(), round(float(state.ema_norm[0]), 4))  # one leaf
       [1.5, 2.0] 2.5
       [0.3, 0.4] 1.5
       [1.35, 1.8] 2.25
@@ -520,7 +516,9 @@ def normalize_by_ema(
 
     Returns:
       An ``optax.GradientTransformation`` with the diagnostics of :func:`clip_norm_by_ema`
-      (``clipped`` means the update was scaled down).
+      (``clipped`` means the update was scaled down): per leaf, each field one vector over the
+      floating leaves (:func:`optclip.per_leaf` gives a tree), or scalars when
+      ``tensorwise=False``.
 
     References:
       torchzero ``NormalizeByEMA``; the differences from torchzero
@@ -570,7 +568,8 @@ def clip_value_by_ema(
 
     Returns:
       An ``optax.GradientTransformation`` whose state logs, per leaf, the largest ``|x|`` before
-      clamping (``max_abs``), ``clipped`` and ``nonfinite``.
+      clamping (``max_abs``) and ``clipped``, each one vector over the floating leaves
+      (:func:`optclip.per_leaf` gives a tree), and ``nonfinite``.
 
     References:
       torchzero ``ClipValueByEMA``, documented parameter names
@@ -597,11 +596,10 @@ def clip_value_by_ema(
 
     def init_fn(params):
         ema = _float_zeros(params)
-        per_leaf = jax.tree.map(lambda e: jnp.zeros((), e.dtype), ema)
         zero = jnp.zeros([], jnp.int32)
         return stats_lib.own_buffers(ClipValueByEMAState(
-            zero, ema, transform.init(ema), per_leaf,
-            jax.tree.map(lambda s: jnp.zeros((), bool), per_leaf), zero))
+            zero, ema, transform.init(ema), leafvec.full(params, 0.0),
+            leafvec.full(params, False, jnp.bool_), zero))
 
     def update_fn(updates, state, params=None):
         first = state.count == 0
@@ -620,17 +618,20 @@ def clip_value_by_ema(
             for i in floats})
         bound, transform_state = transform.update(ema, state.ema_transform_state, params)
         (bounds,) = trees.flatten_with(updates, bound)[1]
-        outputs, clipped = _clamped(xs, [bounds[i] for i in floats], axis_name)
+        outputs, excess = _clamped(xs, [bounds[i] for i in floats], axis_name)
         new = ClipValueByEMAState(
             optax.safe_increment(state.count), ema, transform_state,
-            trees.unflatten_at(treedef, dict(zip(floats, peaks))),
-            trees.unflatten_at(treedef, dict(zip(floats, clipped))), state.nonfinite)
+            leafvec.from_scalars(dict(zip(floats, peaks)), leaves, state.max_abs,
+                                 lambda p: jnp.maximum(p, 0.0)),
+            leafvec.from_scalars(dict(zip(floats, excess)), leaves, state.clipped,
+                                 lambda e: norms.any_true(e > 0, axis_name)),
+            state.nonfinite)
         # The EMA was committed above (the bound reads it): not a second select over it.
         outputs = dict(zip(floats, outputs))
         return (treedef.unflatten([outputs.get(i, x) for i, x in enumerate(leaves)]),
                 stats_lib.commit(ok, new, state)._replace(ema=ema))
 
-    return checks.transformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn, pairs_leaves=True)
 
 
 def _magnitude(x: jax.Array) -> jax.Array:
@@ -649,18 +650,19 @@ def _magnitude(x: jax.Array) -> jax.Array:
 def _peaks(xs: list[jax.Array], axis_name: AxisName
            ) -> tuple[list[jax.Array], list[jax.Array]]:
     """Largest ``|x|`` of each leaf: this device's reductions (same-shape leaves reduced
-    together, :func:`optclip._core.norms.leaf_reductions`), and ``norms.leaf_norm(x, inf)``
-    (combined across devices, 0 for an empty leaf)."""
+    together, :func:`optclip._core.norms.leaf_reductions`), and these combined across devices
+    (``-inf`` for an empty leaf: ``norms.leaf_norm(x, inf)`` is their maximum with 0, taken on
+    the state's vector)."""
     local = norms.leaf_reductions(xs, lambda x: jnp.abs(x.astype(norms.acc_dtype(x.dtype))),
                                   "max")
-    return local, [jnp.maximum(norms.across(p, "max", split), 0.0)
+    return local, [norms.across(p, "max", split)
                    for p, split in zip(local, norms.split_axes(xs, axis_name))]
 
 
 def _clamped(xs: list[jax.Array], bounds: list[jax.Array], axis_name: AxisName
              ) -> tuple[list[jax.Array], list[jax.Array]]:
-    """Per leaf of ``xs``: the leaf clamped to ``[-B, B]`` (its bound), and
-    whether it was clamped.
+    """Per leaf of ``xs``: the leaf clamped to ``[-B, B]`` (its bound), and this device's
+    largest ``|x| - B`` (the leaf was clamped where it is ``> 0`` on some device).
 
     The clamp is applied where the leaf was clamped somewhere (elsewhere it is the identity),
     so XLA computes that flag before it writes the output, and can write the output over the
@@ -672,11 +674,10 @@ def _clamped(xs: list[jax.Array], bounds: list[jax.Array], axis_name: AxisName
     # |x| as |-x| here (the same values): see _magnitude.
     excess = norms.leaf_reductions([jnp.abs(-w) - b for w, b in zip(wide, bounds)],
                                    lambda v: v, "max")
-    outputs, clipped = [], []
+    outputs = []
     for x, w, b, e in zip(xs, wide, bounds, excess):
         flag = norms.any_true(e > 0, axis_name)
         # Lower clamp first, then the upper one: where B < 0 the result is B.
         clamped = jnp.minimum(jnp.maximum(w, -b), b).astype(x.dtype)
         outputs.append(jax.lax.select(flag, clamped, x))
-        clipped.append(flag)
-    return outputs, clipped
+    return outputs, excess

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optclip._core import checks, handout, norms, trees
+from optclip._core import checks, handout, leafvec, norms, trees
 from optclip._core import stats as stats_lib
 from optclip._core.norms import AxisName, Ord
 
@@ -34,9 +34,10 @@ _MIN_RATIO = 1e-8
                       per_leaf=("max_ratio", "clipped"))
 class ClipValueGrowthState(NamedTuple):
     count: jax.Array      # int32 finite steps taken (0: the next finite step is stored as is)
-    prev: Any             # per leaf: the reference update (leaf shape, float32 or wider)
-    max_ratio: Any        # per leaf: largest |x| / max(|prev|, min_value) of the last step
-    clipped: Any          # per leaf: whether any element was limited
+    prev: Any             # per leaf: the reference update (a tree, leaf shape, float32 or
+                          # wider)
+    max_ratio: jax.Array  # (F,) per leaf: largest |x| / max(|prev|, min_value) of the last step
+    clipped: jax.Array    # (F,) per leaf: bool, whether any element was limited
     nonfinite: jax.Array  # int32 steps whose updates were not finite (state left unchanged)
 
 
@@ -45,15 +46,17 @@ _NORM_FIELDS = ("norm", "prev_norm", "divisor", "clipped", "nonfinite")
 
 @stats_lib.diagnostic("clip_norm_growth", _NORM_FIELDS)
 class ClipNormGrowthState(NamedTuple):
-    """State of :func:`clip_norm_growth`: per-leaf values (trees mirroring the updates) with
-    ``parameterwise=True``, one scalar each with ``parameterwise=False``; ``optclip.stats``
-    summarises the trees and reports the scalars as they are."""
+    """State of :func:`clip_norm_growth`: with ``parameterwise=True`` one value per floating
+    leaf, each field one vector of shape ``(F,)`` (entry ``j`` for the ``j``-th floating leaf
+    of ``jax.tree.leaves(params)``; :func:`optclip.per_leaf` gives a tree); one scalar each
+    with ``parameterwise=False``. ``optclip.stats`` summarises the vectors and reports the
+    scalars as they are."""
 
     count: jax.Array
-    prev_norm: Any        # per group: the reference norm for the next step
-    norm: Any             # per group: norm of the last finite update
-    divisor: Any          # what that update was divided by
-    clipped: Any          # divisor > 1
+    prev_norm: jax.Array  # (F,) per leaf, or a scalar: the reference norm for the next step
+    norm: jax.Array       # (F,) per leaf, or a scalar: norm of the last finite update
+    divisor: jax.Array    # (F,) per leaf, or a scalar: what that update was divided by
+    clipped: jax.Array    # (F,) per leaf, or a scalar: bool, divisor > 1
     nonfinite: jax.Array
 
 
@@ -121,7 +124,8 @@ def clip_value_growth(
 
     Returns:
       An ``optax.GradientTransformation`` whose state logs, per leaf, the largest growth ratio
-      ``max_ratio`` (before the multiplicative cap), ``clipped`` and ``nonfinite``.
+      ``max_ratio`` (before the multiplicative cap) and ``clipped``, each one vector over the
+      floating leaves (:func:`optclip.per_leaf` gives a tree), and ``nonfinite``.
 
     References:
       torchzero ``ClipValueGrowth``; same numbers as 0.4.4. A
@@ -147,17 +151,16 @@ def clip_value_growth(
         prev = stats_lib.zeros_like_params(lambda t: jax.tree.map(
             lambda x: x.astype(norms.acc_dtype(x.dtype)) if norms.is_float(x) else None, t),
             params)
-        ratio = jax.tree.map(lambda p: jnp.ones((), p.dtype), prev)
         zero = jnp.zeros([], jnp.int32)
         return stats_lib.own_buffers(ClipValueGrowthState(
-            zero, prev, ratio, jax.tree.map(lambda r: jnp.zeros((), bool), ratio), zero))
+            zero, prev, leafvec.full(params, 1.0), leafvec.full(params, False, jnp.bool_),
+            zero))
 
     def leaves_stats(xs, prevs, hp):
-        """Per floating leaf, ``(finite, max ratio, limited somewhere)``."""
-        if identity:
+        """Per floating leaf, ``(finite, combined reductions)`` (:func:`_values_stats`)."""
+        if identity:    # a ratio of 1 that limits nothing
             sums = norms.leaf_reductions(xs, stats_lib.nan_marks)
-            return [(t == 0, jnp.ones((), p.dtype), jnp.zeros((), bool))
-                    for t, p in zip(sums, prevs)]
+            return [(t == 0, (jnp.ones((), p.dtype), t)) for t, p in zip(sums, prevs)]
         return _values_stats(xs, prevs, hp, axis_name)
 
     def update_fn(updates, state, params=None):
@@ -171,7 +174,8 @@ def clip_value_growth(
         ok = stats_lib.all_of([measured[i][0] for i in floats], axis_name)
 
         def step(i):
-            finite, ratio, limited = measured[i]
+            finite, combined = measured[i]
+            ratio, limited = _ratio_flags(*combined, hp)
             changed = limited | ~finite
             if hp.mul is None:   # the same flag (a NaN ratio: a NaN update), now read after
                 changed = changed | jnp.isnan(ratio)    # the ratio's reduction (see below)
@@ -201,19 +205,26 @@ def clip_value_growth(
         outputs, new_prev = list(leaves), list(prevs)
         for i, out, new_ref in zip(floats, outs, news):
             outputs[i], new_prev[i] = out, new_ref
-        ratios = {i: jnp.where(first, 1, measured[i][1]).astype(measured[i][1].dtype)
-                  for i in floats}
-        clipped = {i: measured[i][2] & ~first for i in floats}
-        fields = stats_lib.keep_if(ok, (trees.unflatten_at(treedef, ratios),
-                                        trees.unflatten_at(treedef, clipped)),
-                                   (state.max_ratio, state.clipped))
+        # The state's entries from the leaves' reductions, gathered as they are: the ratio and
+        # the flag are then taken once, on the vectors (no kernel per leaf for them).
+        combined = {i: measured[i][1] for i in floats}
+
+        def max_ratio(m, total):
+            ratio = _ratio_flags(m, total, hp)[0]
+            return jnp.where(first, 1, ratio).astype(ratio.dtype)
+
+        fields = stats_lib.keep_if(ok, (
+            leafvec.from_scalars(combined, leaves, state.max_ratio, max_ratio),
+            leafvec.from_scalars(combined, leaves, state.clipped,
+                                 lambda m, total: _ratio_flags(m, total, hp)[1] & ~first)),
+            (state.max_ratio, state.clipped))
         new = ClipValueGrowthState(
             jnp.where(ok, optax.safe_increment(state.count), state.count),
             treedef.unflatten(new_prev), *fields,
             stats_lib.count_nonfinite(state.nonfinite, ok))
         return treedef.unflatten(outputs), new
 
-    return checks.transformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn, pairs_leaves=True)
 
 
 def _select(which: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -258,7 +269,8 @@ def _value_limit(wide: jax.Array, prev: jax.Array, hp: _Limits, steep: bool = Fa
 
 def _values_stats(xs: list[jax.Array], prevs: list[jax.Array], hp: _Limits,
                   axis_name: AxisName) -> list[tuple]:
-    """Per leaf, ``(finite, max ratio, limited somewhere)``, before anything is written.
+    """Per leaf, ``(finite, (largest ratio, sum))`` before anything is written, the two
+    reductions combined across devices as :func:`_ratio_flags` reads them.
 
     Two reductions per leaf, each reading its update and reference at most once: the largest
     growth ratio, and a sum that is NaN exactly when an update is not finite and otherwise
@@ -277,16 +289,25 @@ def _values_stats(xs: list[jax.Array], prevs: list[jax.Array], hp: _Limits,
                                      lambda t: t)
     stats = []
     for m, total, sp in zip(maxima, sums, split):
-        ratio = jnp.maximum(norms.across(m, "max", sp), _const(_MIN_RATIO, m))
-        limited = jnp.zeros((), bool)
-        if hp.mul is not None:     # ~(m <= mul): also where a NaN was kept in the maximum
-            limited = ~(ratio <= _const(hp.mul, ratio))
         if hp.add is None:
-            stats.append((total == 0, ratio, limited))
-        else:                      # ~(t <= 0): also where the sum is NaN
-            capped = norms.across((~(total <= 0)).astype(jnp.int32), "max", sp) > 0
-            stats.append((jnp.isfinite(total), ratio, limited | capped))
+            stats.append((total == 0, (norms.across(m, "max", sp), total)))
+        else:   # across devices, the sum as 1 where some device's is ~(t <= 0), else 0
+            marks = total if not sp else norms.across(
+                (~(total <= 0)).astype(total.dtype), "max", sp)
+            stats.append((jnp.isfinite(total), (norms.across(m, "max", sp), marks)))
     return stats
+
+
+def _ratio_flags(m: jax.Array, total: jax.Array, hp: _Limits) -> tuple[jax.Array, jax.Array]:
+    """``(max ratio, limited somewhere)`` from a leaf's combined reductions
+    (:func:`_values_stats`), elementwise: of one leaf, or of vectors of them."""
+    ratio = jnp.maximum(m, _const(_MIN_RATIO, m))
+    limited = jnp.zeros(ratio.shape, bool)
+    if hp.mul is not None:     # ~(m <= mul): also where a NaN was kept in the maximum
+        limited = ~(ratio <= _const(hp.mul, ratio))
+    if hp.add is not None:     # ~(t <= 0): also where the sum is NaN
+        limited = limited | ~(total <= 0)
+    return ratio, limited
 
 
 def _marked_excess(x: jax.Array, prev: jax.Array, hp: _Limits) -> jax.Array:
@@ -382,7 +403,8 @@ def clip_norm_growth(
     Returns:
       An ``optax.GradientTransformation`` whose state logs the update ``norm``, the reference
       ``prev_norm`` for the next step, the ``divisor`` applied, ``clipped`` and ``nonfinite``;
-      per leaf, or scalars when ``parameterwise=False``.
+      per leaf, each field one vector over the floating leaves (:func:`optclip.per_leaf` gives
+      a tree), or scalars when ``parameterwise=False``.
 
     References:
       torchzero ``ClipNormGrowth`` (0.4.4 calls ``parameterwise``
@@ -399,7 +421,7 @@ def clip_norm_growth(
       >>> state = tx.init(jnp.zeros(2))
       >>> for g in ([3.0, 4.0], [30.0, 40.0], [0.3, 0.4]):
       ...     out, state = tx.update(jnp.array(g), state)
-      ...     print(out.round(4).tolist(), float(state.prev_norm))
+      ...     print(out.round(4).tolist(), float(state.prev_norm[0]))  # one leaf
       [3.0, 4.0] 5.0
       [4.5, 6.0] 7.5
       [0.3, 0.4] 3.75
@@ -427,47 +449,42 @@ def clip_norm_growth(
         return _leafwise(updates, state, first, hp, ord, axis_name)
 
     return checks.transformation(
-        lambda params: _norm_growth_init(params, state_cls, parameterwise, ord), update_fn)
+        lambda params: _norm_growth_init(params, state_cls, parameterwise, ord), update_fn,
+        pairs_leaves=parameterwise)
 
 
 def _leafwise(updates, state: ClipNormGrowthState, first, hp: _Limits, ord, axis_name):
     """clip_norm_growth with ``parameterwise=True``: ``(outputs, committed state)``.
 
     The norms of the leaves of one statistics dtype form one vector; the divisors, the next
-    references and the commit of a finite step are taken on these vectors, and
-    :func:`optclip._core.handout.rows` hands each leaf its factor and state entries.
+    references and the commit of a finite step are taken on these vectors, which the state
+    keeps (:mod:`optclip._core.leafvec`), and :func:`optclip._core.handout.rows` hands each
+    leaf only its factor.
     """
-    leaves, fields, treedef = trees.flatten_with(
-        updates, state.prev_norm, state.norm, state.divisor)
-    groups = handout.by_dtype({i: fields[0][i].dtype for i, x in enumerate(leaves)
-                               if norms.is_float(x)})
-    old, new, flags = [], [], []
-    for idx in groups.values():
-        old.append([norms.gather_scalars([f[i] for i in idx]) for f in fields])
+    leaves, _, treedef = trees.flatten_with(updates)
+    group_list = leafvec.groups(leaves)
+    new, flags = [], []
+    for group in group_list:
         n, divisor, reference, finite = _vector_step(
-            [leaves[i] for i in idx], old[-1][0], first, hp, ord, axis_name)
+            [leaves[i] for i in group.leaves], leafvec.take(state.prev_norm, group), first, hp,
+            ord, axis_name)
         new.append([reference, n, divisor])
         flags += finite
     ok = stats_lib.all_of(flags, axis_name)
-    # The per-leaf fields as lists of vectors (one per statistics dtype); ``clipped`` is
-    # ``divisor > 1`` in every state that init and update make, so it is read off the divisor.
+    fields = [leafvec.assemble(parts, group_list, old) for parts, old in
+              zip(_columns(new, 3), (state.prev_norm, state.norm, state.divisor))]
+    # ``clipped`` is ``divisor > 1`` in every state that init and update make, so it is read
+    # off the committed divisor.
     committed = stats_lib.commit(ok, ClipNormGrowthState(
-        optax.safe_increment(state.count), *_columns(new, 3), None, state.nonfinite),
-        ClipNormGrowthState(state.count, *_columns(old, 3), None, state.nonfinite))
-    outputs, values = list(leaves), [{} for _ in fields]
-    for g, (idx, step) in enumerate(zip(groups.values(), new)):
+        optax.safe_increment(state.count), *fields, state.clipped, state.nonfinite), state)
+    outputs = list(leaves)
+    for group, (_, _, divisor) in zip(group_list, new):
         # A product, not x / d: XLA:CPU fuses it into each pass of the next transform, where
         # it would write a quotient out first (it never copies a division).
-        vectors = [field[g] for field in committed[1:4]]
-        for i, row in zip(idx, handout.rows((1 / step[2], *vectors))):
+        for i, (factor,) in zip(group.leaves, handout.rows((1 / divisor,))):
             if norms.metric_defined(ord, leaves[i].size):   # else the divisor is 1
-                outputs[i] = norms.scale(leaves[i], row[0])
-            for k, value in enumerate(row[1:]):
-                values[k][i] = value
-    prev_norm, norm, divisor = (trees.unflatten_at(treedef, v) for v in values)
-    return treedef.unflatten(outputs), committed._replace(
-        prev_norm=prev_norm, norm=norm, divisor=divisor,
-        clipped=jax.tree.map(lambda d: d > 1, divisor))
+                outputs[i] = norms.scale(leaves[i], factor)
+    return treedef.unflatten(outputs), committed._replace(clipped=committed.divisor > 1)
 
 
 def _vector_step(xs: list[jax.Array], prev: jax.Array, first, hp: _Limits, ord, axis_name):
@@ -511,14 +528,12 @@ def _group_step(x, n, prev, first, hp, *, ord):
 def _norm_growth_init(params, state_cls, parameterwise: bool, ord) -> Any:
     """The initial state of :func:`clip_norm_growth`."""
     if parameterwise:
-        scalar = jax.tree.map(lambda x: jnp.zeros((), norms.acc_dtype(x.dtype))
-                              if norms.is_float(x) else None, params)
+        scalar = leafvec.full(params, 0.0)
     else:
         scalar = jnp.zeros((), jax.eval_shape(lambda t: norms.global_norm(t, ord), params).dtype)
     zero = jnp.zeros([], jnp.int32)
     return stats_lib.own_buffers(state_cls(
-        zero, scalar, scalar, jax.tree.map(jnp.ones_like, scalar),
-        jax.tree.map(lambda s: jnp.zeros((), bool), scalar), zero))
+        zero, scalar, scalar, jnp.ones_like(scalar), jnp.zeros_like(scalar, bool), zero))
 
 
 def _norm_limit(n: jax.Array, prev: jax.Array, first: jax.Array, hp: _Limits

@@ -107,6 +107,14 @@ def to_np(tree):
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
+def per_leaf_np(values, like):
+    """A state field's values as NumPy arrays in leaf order: each floating leaf's entry of a
+    per-leaf vector (``optclip.per_leaf``), or a global mode's one scalar."""
+    import optclip
+
+    return to_np(optclip.per_leaf(values, like) if jnp.ndim(values) else values)
+
+
 def concatenated_operand_sizes(jaxpr) -> list[int]:
     """The sizes of every operand of every ``concatenate`` in ``jaxpr`` and its sub-jaxprs
     (a transform that only combines per-leaf scalars gives sizes of at most 1)."""

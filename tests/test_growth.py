@@ -28,6 +28,7 @@ from tests.helpers import (
     assert_nonfinite_step_skipped,
     concatenated_operand_sizes,
     np_metric,
+    per_leaf_np,
     random_sequence,
     run,
     sequences,
@@ -188,12 +189,13 @@ def test_clip_norm_growth_reference_vectors(name, kwargs, seq, expected, jit):
     (False, [[5.0990195], [7.6485291], [5.0249376], [2.5124688], [3.7687032]]),
 ])
 def test_clip_norm_growth_stored_reference(parameterwise, want):
-    _, states = run(optclip.clip_norm_growth(parameterwise=parameterwise),
-                    [as_tree(s) for s in S5])
+    trees = [as_tree(s) for s in S5]
+    _, states = run(optclip.clip_norm_growth(parameterwise=parameterwise), trees)
     for step, (state, w) in enumerate(zip(states, want)):
-        np.testing.assert_allclose(to_np(state.prev_norm), w, rtol=RTOL, err_msg=f"{step}")
-    assert [bool(np.any(to_np(s.clipped))) for s in states] == [False, True, parameterwise,
-                                                                False, True]
+        np.testing.assert_allclose(per_leaf_np(state.prev_norm, trees[0]), w, rtol=RTOL,
+                                   err_msg=f"{step}")
+    assert [bool(np.any(per_leaf_np(s.clipped, trees[0]))) for s in states] == [
+        False, True, parameterwise, False, True]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,13 +242,14 @@ NORM_ORDS = [2, 1, math.inf, 0, 3, "mad", "std", "sum"]
 @pytest.mark.parametrize("kwargs", NORM_OPTIONS, ids=str)
 def test_clip_norm_growth_options_match_oracle(kwargs, parameterwise):
     seq = random_sequence(seed=22)
-    outs, states = run(optclip.clip_norm_growth(parameterwise=parameterwise, **kwargs),
-                       [as_tree(s) for s in seq])
+    trees = [as_tree(s) for s in seq]
+    outs, states = run(optclip.clip_norm_growth(parameterwise=parameterwise, **kwargs), trees)
     want_outs, want_prevs = oracle_norm_growth(seq, parameterwise=parameterwise, **kwargs)
     for step, (out, want, state, prev) in enumerate(zip(outs, want_outs, states, want_prevs)):
         for got, w in zip(out, want):
             np.testing.assert_allclose(got, w, rtol=ORACLE_RTOL, atol=1e-7, err_msg=f"{step}")
-        np.testing.assert_allclose(to_np(state.prev_norm), prev, rtol=ORACLE_RTOL, atol=1e-7)
+        np.testing.assert_allclose(per_leaf_np(state.prev_norm, trees[0]), prev,
+                                   rtol=ORACLE_RTOL, atol=1e-7)
 
 
 @pytest.mark.parametrize("parameterwise", [True, False], ids=["parameterwise", "global"])
@@ -318,9 +321,10 @@ def test_value_growth_bounded_by_reference(seq):
 @given(seq=sequences)
 def test_norm_growth_bounded_by_reference(parameterwise, seq):
     tx, update = _property_transform("norm", parameterwise)
-    state = tx.init([jnp.asarray(x) for x in seq[0]])
+    params = [jnp.asarray(x) for x in seq[0]]
+    state = tx.init(params)
     for t, xs in enumerate(seq):
-        before = to_np(state.prev_norm)
+        before = per_leaf_np(state.prev_norm, params)
         out, state = update([jnp.asarray(x) for x in xs], state)
         out_norms = ([np.linalg.norm(o) for o in to_np(out)] if parameterwise
                      else [np.linalg.norm(np.concatenate([o.ravel() for o in to_np(out)]))])
@@ -328,7 +332,7 @@ def test_norm_growth_bounded_by_reference(parameterwise, seq):
             if t > 0:
                 p = max(p, 1e-4)
                 assert got <= min(1.3 * p, p + 0.7) * (1 + 1e-5)
-        assert all(p >= 1e-4 for p in to_np(state.prev_norm)) or t == 0
+        assert all(p >= 1e-4 for p in per_leaf_np(state.prev_norm, params)) or t == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,8 +445,11 @@ def test_leaves_of_two_statistics_dtypes_each_against_their_own_reference(factor
                 np.testing.assert_array_equal(out[k], o)
                 assert out[k].dtype == dtypes[k]
         for k, (s, _) in alone.items():
-            for field in s._fields[1:-1]:
-                np.testing.assert_array_equal(getattr(state, field)[k], getattr(s, field))
+            for field in s._fields[1:-1]:   # per-leaf vectors: the tree's are float64
+                both, one = getattr(state, field), getattr(s, field)
+                if field != "prev":
+                    both, one = optclip.per_leaf(both, seq[0]), optclip.per_leaf(one, seq[0][k])
+                np.testing.assert_array_equal(both[k], one)
         np.testing.assert_array_equal(out["n"], seq[-1]["n"])
 
 
@@ -468,8 +475,8 @@ def test_value_growth_additive_cap_flag_and_ratio(second, clipped, ratio):
                               second)
     want = [1.2, -2.5, 0.0] if clipped else second
     np.testing.assert_array_equal(out, np.asarray(want, np.float32))
-    assert bool(state.clipped) is clipped
-    assert float(state.max_ratio) == float(ratio[0])
+    assert bool(optclip.per_leaf(state.clipped, out)) is clipped
+    assert float(optclip.per_leaf(state.max_ratio, out)) == float(ratio[0])
 
 
 @pytest.mark.parametrize(("second", "ratio", "out"), [
@@ -479,8 +486,8 @@ def test_value_growth_additive_cap_flag_and_ratio(second, clipped, ratio):
 def test_value_growth_zero_reference_without_floor(second, ratio, out):
     got, state = _second_step(optclip.clip_value_growth(min_value=None), [0.0, 2.0], second)
     np.testing.assert_array_equal(got, np.asarray(out, np.float32))
-    assert float(state.max_ratio) == ratio
-    assert bool(state.clipped) is (ratio > 1.5)
+    assert float(optclip.per_leaf(state.max_ratio, got)) == ratio
+    assert bool(optclip.per_leaf(state.clipped, got)) is (ratio > 1.5)
 
 
 @pytest.mark.parametrize(("index", "poison"), [(0, math.nan), (-1, -math.inf)])

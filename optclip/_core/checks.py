@@ -250,8 +250,15 @@ def matches_init(init_fn: Callable[[Any], Any], updates: Any, state: Any,
 
 
 def _leaf_paths(tree: Any) -> tuple[str, ...]:
-    return tuple(jax.tree_util.keystr(path)
-                 for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
+    """The leaf paths of ``tree``, a flax ``Variable`` read as the array it wraps (flax's
+    ``nnx.Optimizer`` calls ``init`` on the parameters' variables and ``update`` on arrays)."""
+    return tuple(jax.tree_util.keystr(path) for path, _ in
+                 jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_flax_variable)[0])
+
+
+def _is_flax_variable(x: Any) -> bool:
+    return any(c.__name__ == "Variable" and c.__module__.startswith("flax.")
+               for c in type(x).__mro__)
 
 
 def _leaf_paths_of(signature: tuple) -> tuple[str, ...]:

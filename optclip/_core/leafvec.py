@@ -89,6 +89,29 @@ def assemble(parts: list[jax.Array], group_list: list[Group], like: jax.Array) -
     return out
 
 
+def from_scalars(values: dict[int, Any], leaves: list[Any], like: jax.Array,
+                 finish: Any = None) -> jax.Array:
+    """One per-leaf vector (of ``like``'s shape and dtype) from 0-d values computed leaf by
+    leaf (``{index in leaves: value}``, every floating leaf of ``leaves``): gathered by
+    statistics dtype (:func:`optclip._core.norms.gather_scalars`), then :func:`assemble`.
+
+    ``finish`` (elementwise) is applied to each group's vector, or with tuples of values to
+    one vector per entry of the tuples: the values can then be the leaves' raw reductions,
+    which XLA gathers with no kernel per leaf, and what each leaf's entry is made of them is
+    computed once, on the vectors.
+    """
+    group_list = groups(leaves)
+    finish = finish or (lambda v: v)
+
+    def gathered(group: Group) -> jax.Array:
+        entries = [values[i] for i in group.leaves]
+        if isinstance(entries[0], tuple):
+            return finish(*(norms.gather_scalars(list(c)) for c in zip(*entries)))
+        return finish(norms.gather_scalars(entries))
+
+    return assemble([gathered(group) for group in group_list], group_list, like)
+
+
 def per_leaf(values: Any, like: Any) -> Any:
     """A per-leaf vector of an optclip state as a tree mirroring ``like``.
 

@@ -82,9 +82,8 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
     set); the full values stay in the state (:func:`optclip.per_leaf` gives a vector back as a
     tree). A scalar is reported as it is (so is the per-slice value of a parameter that is a
     single array with one slice, except for fields a transform always summarises). Pure and
-    traceable: call it inside ``jax.jit``.
-    A flax ``nnx.Optimizer`` is read through its ``opt_state``; ``nnx.state(optimizer)`` has
-    lost the state types and raises ``TypeError``.
+    traceable: call it inside ``jax.jit``. A flax ``nnx.Optimizer`` is read through its
+    ``opt_state``; ``nnx.state(optimizer)`` has lost the state types and raises ``TypeError``.
 
     Example:
         >>> import jax.numpy as jnp, optax, optclip
