@@ -253,12 +253,14 @@ def _leaf_paths(tree: Any) -> tuple[str, ...]:
     """The leaf paths of ``tree``, a flax ``Variable`` read as the array it wraps (flax's
     ``nnx.Optimizer`` calls ``init`` on the parameters' variables and ``update`` on arrays)."""
     return tuple(jax.tree_util.keystr(path) for path, _ in
-                 jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_flax_variable)[0])
+                 jax.tree_util.tree_flatten_with_path(
+                     tree, is_leaf=lambda x: is_flax(x, "Variable"))[0])
 
 
-def _is_flax_variable(x: Any) -> bool:
-    return any(c.__name__ == "Variable" and c.__module__.startswith("flax.")
-               for c in type(x).__mro__)
+def is_flax(obj: Any, name: str) -> bool:
+    """Whether ``obj`` is an instance of a flax class called ``name`` (flax is not imported)."""
+    return any(c.__name__ == name and c.__module__.startswith("flax.")
+               for c in type(obj).__mro__)
 
 
 def _leaf_paths_of(signature: tuple) -> tuple[str, ...]:

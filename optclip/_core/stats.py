@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optclip._core import norms
+from optclip._core import checks, norms
 
 _REGISTRY: dict[type, tuple[str, tuple[str, ...], frozenset[str]]] = {}
 
@@ -28,9 +28,8 @@ def diagnostic(name: str, fields: tuple[str, ...], per_leaf: tuple[str, ...] = (
     A field whose value is a tree of per-leaf (or per-slice) values, or a vector of per-leaf
     values, is summarised, so the logged keys do not depend on the number of leaves; a field
     holding one 0-d array (a scalar, or the value of a parameter that is a single array) is
-    reported as it is. One
-    class thus serves a transform's per-leaf and global layouts alike. Fields named in
-    ``per_leaf`` are always summarised, even for a single-array parameter.
+    reported as it is. One class thus serves a transform's per-leaf and global layouts alike.
+    Fields named in ``per_leaf`` are always summarised, even for a single-array parameter.
     """
     def register(cls):
         missing = (set(fields) | set(per_leaf)) - set(cls._fields)
@@ -48,7 +47,7 @@ def _is_scalar(value: Any) -> bool:
     A flax ``Variable`` (how ``nnx.Optimizer`` holds each array of its optax state) counts as
     the array it wraps, so the nnx optimizer's state reads exactly as the raw optax state.
     """
-    structure = jax.tree.structure(value, is_leaf=lambda x: _is_flax(x, "Variable"))
+    structure = jax.tree.structure(value, is_leaf=lambda x: checks.is_flax(x, "Variable"))
     leaves = jax.tree.leaves(value)
     one_leaf = jax.tree_util.treedef_is_leaf(structure) and len(leaves) == 1
     return one_leaf and jnp.ndim(leaves[0]) == 0
@@ -95,10 +94,10 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
         >>> float(s["clip_by_global_norm/norm"]), bool(s["clip_by_global_norm/clipped"])
         (4.0, True)
     """
-    if _is_flax(opt_state, "Optimizer"):  # a flax nnx.Optimizer: read its optax state
+    if checks.is_flax(opt_state, "Optimizer"):  # a flax nnx.Optimizer: read its optax state
         opt_state = opt_state.opt_state
     found = jax.tree.leaves(opt_state, is_leaf=lambda x: type(x) in _REGISTRY)
-    if _is_flax(opt_state, "State") and not any(type(x) in _REGISTRY for x in found):
+    if checks.is_flax(opt_state, "State") and not any(type(x) in _REGISTRY for x in found):
         raise TypeError(
             "optclip.stats got a flax nnx.State (such as nnx.state(optimizer)), which keeps the "
             "arrays but not the optax state types that identify each transform; pass the "
@@ -114,12 +113,6 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
         for field in fields:
             out.update(_summarise(f"{prefix}/{field}", getattr(state, field), field in per_leaf))
     return out
-
-
-def _is_flax(obj: Any, name: str) -> bool:
-    """Whether ``obj`` is an instance of a flax class called ``name`` (flax is not imported)."""
-    return any(c.__name__ == name and c.__module__.startswith("flax.")
-               for c in type(obj).__mro__)
 
 
 def keep_finite(new: Any, old: Any) -> Any:
