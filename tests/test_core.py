@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import optclip
-from optclip._core import axes, checks, handout, norms, trees
+from optclip._core import axes, checks, handout, norms
 
 
 @pytest.mark.parametrize("ndim, kwargs, expected", [
@@ -325,24 +325,6 @@ def test_one_rule_for_floating_leaves_python_floats_count_once_made_arrays():
     state = tx.init({"w": jnp.zeros(2), "t": 0.0, "i": jnp.zeros(2, jnp.int32)})
     out, state = tx.update(tree, state)
     assert int(state.nonfinite) == 1 and np.isnan(out["t"])
-
-
-def test_tree_unzip_matches_per_leaf_state_with_none_entries():
-    """Per-leaf results of a tree and its per-leaf state (``None`` at integer leaves) come back
-    as trees of the updates' structure, each leaf paired with its own state entry."""
-    updates = {"a": jnp.array([1.0, 2.0]), "i": jnp.array([3], jnp.int32), "b": jnp.array(4.0)}
-    state = trees.scalars_like(updates, 10.0)
-    assert state["i"] is None
-
-    def fn(x, s):
-        return (x, None) if s is None else (x + s, s * 2)
-
-    first, second = trees.tree_unzip(fn, updates, state, n=2)
-    np.testing.assert_array_equal(first["a"], [11.0, 12.0])
-    np.testing.assert_array_equal(first["b"], 14.0)
-    np.testing.assert_array_equal(first["i"], [3])
-    assert second["i"] is None and float(second["a"]) == 20.0
-    assert jax.tree.structure(first) == jax.tree.structure(updates)
 
 
 def test_hand_out_returns_every_entry_bit_for_bit_with_derivatives():
