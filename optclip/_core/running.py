@@ -41,17 +41,12 @@ def check_parity(parity: Any) -> None:
     checks.one_of("parity", parity, PARITY)
 
 
-def per_leaf_trees(tree: Any, *vectors: jax.Array) -> tuple[Any, ...]:
-    """For each vector, a tree mirroring ``tree``: entry ``j`` at the ``j``-th float leaf."""
-    leaves, treedef = jax.tree.flatten(tree)
-    rows = iter(handout.rows(vectors))
-    per_leaf = [next(rows) if norms.is_float(x) else (None,) * len(vectors) for x in leaves]
-    return tuple(treedef.unflatten([r[i] for r in per_leaf]) for i in range(len(vectors)))
-
-
 def per_leaf_tree(tree: Any, vector: jax.Array) -> Any:
-    """Entry ``j`` of ``vector`` at the position of the ``j``-th float leaf of ``tree``."""
-    return per_leaf_trees(tree, vector)[0]
+    """Entry ``j`` of ``vector`` at the position of the ``j``-th float leaf of ``tree``, handed
+    out by :func:`optclip._core.handout.rows` (``None`` at the other leaves)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    rows = iter(handout.rows((vector,)))
+    return treedef.unflatten([next(rows)[0] if norms.is_float(x) else None for x in leaves])
 
 
 def scale_leaves(tree: Any, factors: jax.Array) -> Any:
