@@ -529,13 +529,14 @@ def stable_adamw_clip(
         rms = _update_rms(updates, _nu_tree(updates, moments.nu), b2, correction, eps,
                           axis_name)
         scale = jax.tree.map(lambda r: 1 / jnp.maximum(1.0, r), rms)
+        rms_vector = leafvec.stack(jax.tree.leaves(rms), state.rms)
         # The RMS sees every NaN/Inf of the gradients: no separate pass to find them.
-        finite = stats_lib.all_finite(rms)
+        finite = jnp.all(jnp.isfinite(rms_vector))
         out, new_inner = _gated_step(inner, finite, updates, state.inner, params, extra_args)
         out = jax.tree.map(lambda o, c: o if c is None else norms.scale(o, c), out, scale)
         scale = leafvec.stack(jax.tree.leaves(scale), state.scale)
         return out, _commit(finite, StableAdamWClipState(
-            inner=new_inner, rms=leafvec.stack(jax.tree.leaves(rms), state.rms), scale=scale,
+            inner=new_inner, rms=rms_vector, scale=scale,
             clipped=scale < 1, nonfinite=state.nonfinite), state)
 
     return checks.transformation(init_fn, update_fn, extra_args=True, pairs_leaves=True)
