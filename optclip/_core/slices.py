@@ -108,8 +108,9 @@ def normalized(g: jax.Array, ord: float, axes: tuple[int, ...], eps: Any,
     """
     if not axes:
         return _elementwise_normalized(g, ord, eps)
-    up, down, norm, _ = _rescued_factors(g, ord, axes, eps, split,
-                                         _plain_norm(g, ord, axes, split))
+    plain = _plain_norms([g], ord, [axes], [split])
+    up, down, norm = _rescued(plain[0], _rescaled_norms([g], plain, ord, [axes], [split])[0],
+                              ord, eps, g.dtype)
     return _wide(g) * up * down, norm
 
 
@@ -150,41 +151,51 @@ def _usual(norm: jax.Array, ord: float, dtype) -> jax.Array:
 _RESCUE_SHIFT = {jnp.dtype(jnp.float32): 100, jnp.dtype(jnp.float64): 600}
 
 
-def _rescued_factors(g: jax.Array, ord: float, axes: tuple[int, ...], eps: Any,
-                     split: tuple[str, ...], plain: jax.Array
-                     ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Per slice ``(up, down, norm, finite)`` from the slices' plain norms: the output of
-    :func:`normalized` is ``wide(g) * up * down``. One more read: the norm of every slice
-    scaled by a fixed power of two, down where its plain norm is too large (``inf``
-    included), up where it is too small; slices in range are measured unscaled. A power of two
-    scales exactly, so the quotient is the one the unscaled slice would give in exact range.
-    The scaled norm is finite exactly when the slice is."""
-    wide = _wide(g)
+def _rescue_factor(plain: jax.Array, ord: float) -> jax.Array:
+    """Per slice, the power of two the slice is scaled by before it is measured again: down
+    where its plain norm is too large (``inf`` included), up where it is too small, else 1."""
     low, high = _limits(ord, plain.dtype)
-    shift = _RESCUE_SHIFT[wide.dtype]
-    big, small = plain >= high, plain < low
-    one = jnp.ones((), wide.dtype)
-    factor = jnp.where(big, jnp.asarray(2.0 ** -shift, wide.dtype),
-                       jnp.where(small, jnp.asarray(2.0 ** shift, wide.dtype), one))
-    unit = _plain_norm(wide * factor, ord, axes, split)
+    shift = _RESCUE_SHIFT[plain.dtype]
+    return jnp.where(plain >= high, jnp.asarray(2.0 ** -shift, plain.dtype),
+                     jnp.where(plain < low, jnp.asarray(2.0 ** shift, plain.dtype),
+                               jnp.ones((), plain.dtype)))
+
+
+def _rescued(plain: jax.Array, unit: jax.Array, ord: float, eps: Any, dtype
+             ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per slice ``(up, down, norm)`` from the plain norm and ``unit``, the norm of the slice
+    scaled by :func:`_rescue_factor` (or anything not above 0 where no slice needed it): the
+    output of :func:`normalized` is ``wide(g) * up * down``. A power of two scales exactly,
+    so the quotient is the one the unscaled slice would give in exact range."""
+    factor = _rescue_factor(plain, ord)
+    one = jnp.ones((), plain.dtype)
     # A zero slice (and every float16 slice: its float32 sums neither under- nor overflow)
     # keeps the plain divisor; NaN compares false and is not rescaled.
-    rescale = (big | small) & (unit > 0) & (g.dtype != jnp.float16)
+    rescale = (factor != 1) & (unit > 0) & (jnp.dtype(dtype) != jnp.float16)
     denom = jnp.where(rescale, unit, _divisor(plain, eps))
     up = jnp.where(rescale, factor, one)
     down = 1 / jnp.where(denom == 0, one, denom)
     norm = jnp.where(rescale, unit / factor, plain)     # exact: factor is a power of two
-    return up, down, norm, jnp.isfinite(unit)
+    return up, down, norm
 
 
-def _plain_norm(g: jax.Array, ord: float, axes: tuple[int, ...],
-                split: tuple[str, ...]) -> jax.Array:
-    """The L1 or L2 norm of every slice (keepdims) from one plain sum (``inf`` where it
-    overflows, 0 where the squares underflow)."""
-    wide = _wide(g)
-    total = norms.across(jnp.sum(jnp.abs(wide) if ord == 1.0 else wide * wide, axis=axes,
-                                 keepdims=True), "sum", split)
-    return total if ord == 1.0 else norms.safe_sqrt(total)
+def _rescaled_norms(leaves: list, plain: list, ord: float, axes: list, split: list) -> list:
+    """Per leaf, the norm of every slice scaled by :func:`_rescue_factor` (one more read; it
+    is finite exactly when the slice is)."""
+    return _plain_norms([_wide(g) * _rescue_factor(n, ord) for g, n in zip(leaves, plain)],
+                        ord, axes, split)
+
+
+def _plain_norms(leaves: list, ord: float, axes: list, split: list) -> list:
+    """The L1 or L2 norm of every slice of every leaf (keepdims) from one plain sum: ``inf``
+    where it overflows, 0 where the squares underflow. Leaf ``i`` is cut along ``axes[i]``
+    and split over the mesh axes ``split[i]``; small leaves of one shape, dtype and slicing
+    share one reduction."""
+    sums = norms.leaf_reductions(
+        leaves, (lambda g: jnp.abs(_wide(g))) if ord == 1.0 else (lambda g: _wide(g) * _wide(g)),
+        "sum", axes)
+    totals = [norms.across(t, "sum", s) for t, s in zip(sums, split)]
+    return totals if ord == 1.0 else [norms.safe_sqrt(t) for t in totals]
 
 
 def _elementwise_normalized(g: jax.Array, ord: float, eps: Any) -> tuple[jax.Array, jax.Array]:
@@ -209,28 +220,30 @@ def normalized_leaves(leaves: list, cut: Slicing, ord: float, eps: Any,
     the ``cond``, so XLA can fuse it into the next transform.
     """
     reduced = [i for i, axes in enumerate(cut.axes) if axes]
-    plain = [_plain_norm(leaves[i], ord, cut.axes[i], cut.split[i]) for i in reduced]
-    odd = [jnp.any(~_usual(n, ord, leaves[i].dtype)) for i, n in zip(reduced, plain)]
-    rare = norms.any_true(jnp.any(norms.gather_scalars(odd)) if odd else jnp.asarray(False),
-                          axis_name)
+    plain = _plain_norms([leaves[i] for i in reduced], ord, [cut.axes[i] for i in reduced],
+                         [cut.split[i] for i in reduced])
+    odd = norms.leaf_reductions([(~_usual(n, ord, leaves[i].dtype)).astype(jnp.float32)
+                                 for i, n in zip(reduced, plain)], lambda f: f, "max")
+    rare = norms.any_true(jnp.any(norms.gather_scalars(odd) > 0) if odd
+                          else jnp.asarray(False), axis_name)
 
     def usual():
-        return [(jnp.ones_like(n), 1 / _divisor(n, eps), n) for n in plain], jnp.asarray(True)
+        return [jnp.zeros_like(n) for n in plain], jnp.asarray(True)
 
     def exact():
-        factors = [_rescued_factors(leaves[i], ord, cut.axes[i], eps, cut.split[i], n)
-                   for i, n in zip(reduced, plain)]
-        finite = stats.all_of([jnp.all(f[3]) for f in factors], axis_name)
-        return [f[:3] for f in factors], finite
+        units = _rescaled_norms([leaves[i] for i in reduced], plain, ord,
+                                [cut.axes[i] for i in reduced], [cut.split[i] for i in reduced])
+        return units, stats.all_finite(units, axis_name)
 
-    factors, finite = jax.lax.cond(rare, exact, usual)
+    units, finite = jax.lax.cond(rare, exact, usual)
     outputs, measured = [None] * len(leaves), [None] * len(leaves)
-    for i, (up, down, norm) in zip(reduced, factors):
-        outputs[i], measured[i] = _wide(leaves[i]) * up * down, norm
+    for i, n, unit in zip(reduced, plain, units):
+        up, down, measured[i] = _rescued(n, unit, ord, eps, leaves[i].dtype)
+        outputs[i] = _wide(leaves[i]) * up * down
     elementwise = [i for i, axes in enumerate(cut.axes) if axes == ()]
     for i in elementwise:
         outputs[i], measured[i] = _elementwise_normalized(leaves[i], ord, eps)
-    others = stats.all_of([stats.leaf_finite(leaves[i]) for i in elementwise], axis_name)
+    others = stats.all_finite([leaves[i] for i in elementwise], axis_name)
     return outputs, measured, finite & others
 
 
