@@ -98,68 +98,59 @@ def _projection(name: str, measure, apply, state_cls: type, limits, axis_name: n
     return checks.transformation(init_fn, update_fn, pairs_leaves=pairs_leaves)
 
 
-def _plain_norm(x: jax.Array, axes: tuple[int, ...] | None, split: tuple[str, ...]
-                ) -> tuple[jax.Array | None, jax.Array | None]:
-    """``(sqrt(Σx²), Σx²)`` of every slice (keepdims, wide dtype) from one reduction;
-    one-element slices (``axes=()``) get their exact norm ``|x|`` (and no sum)."""
-    if axes is None:
-        return None, None
-    if not axes:
-        return norms.slice_norm(x, 2.0, (), split), None
-    wide = x.astype(norms.acc_dtype(x.dtype))
-    total = norms.across(jnp.sum(jnp.square(wide), axis=axes, keepdims=True), "sum", split)
-    return norms.safe_sqrt(total), total
-
-
-def _rescued_norm(x: jax.Array, norm: jax.Array | None, total: jax.Array | None,
-                  axes: tuple[int, ...] | None, split: tuple[str, ...]
-                  ) -> tuple[jax.Array | None, jax.Array | None]:
-    """``(scale-safe norm of every slice, whether every element is finite)`` of one leaf, from
-    its plain ``norm`` and sums of squares ``total`` (:func:`_plain_norm`).
-
-    A large leaf is read once more, for the scaled sums of the slices whose plain sum
-    overflowed; its finiteness is read off the sums: a NaN element makes its slice's plain
-    sum NaN, an infinite one both sums infinite, and no finite slice overflows the scaled sum.
-    One-element slices are exact already (``|x|`` is finite exactly where ``x`` is). A small
-    leaf whose sums come from one variadic reduce is measured as :func:`norms.slice_norm`
-    measures it, its finiteness from the leaf.
-    """
-    if norm is None:
-        return None, None
-    if not axes:
-        return norm, stats_lib.leaf_finite(norm)
-    if norms.sums_paired(x):
-        return norms.slice_norm(x, 2.0, axes, split), stats_lib.leaf_finite(x)
-    wide = x.astype(total.dtype)
-    scaled = norms.overflowed_sums(wide, total, axes, split)
-    over = total == jnp.inf
-    return (norms.root_of_squares(total, scaled, norms.SCALE_SHIFT[wide.dtype]),
-            stats_lib.leaf_finite(jnp.where(over, scaled, total)))
-
-
 def _slice_norms(build, cut: slices.Slicing, axis_name: norms.AxisName) -> tuple[list, list]:
     """``(norm of every slice per leaf of build(), [finiteness of the step])`` (``None`` norms
     for non-float leaves; the one flag is the same on every device along ``axis_name``).
 
-    One read of each leaf: the plain sums of squares. Only where some norm came out infinite
-    or NaN (a sum of squares overflowed, or the step is not finite: one scalar test for the
-    whole tree) are the leaves read again (:func:`_rescued_norm`); otherwise every norm is
-    finite and so is every leaf, and the flags need no pass of their own.
+    One read of each leaf: the plain sums of squares of its slices (same-shape small leaves
+    share one reduction); one-element slices (``axes=()``) get their exact norm ``|x|``. Only
+    where some norm came out infinite or NaN (a sum of squares overflowed, or the step is
+    not finite: one scalar test for the whole tree) are the leaves read again, for the sums
+    scaled down by a power of two (:func:`optclip._core.norms.overflowed_sums`); otherwise
+    every norm is finite and so is every leaf. The step's finiteness is read off the sums: a
+    NaN element makes its slice's plain sum NaN, an infinite one both sums infinite, and no
+    finite slice overflows the scaled sum.
     """
-    plain = [_plain_norm(x, axes, split) for x, axes, split in
-             zip(build(), cut.axes, cut.split, strict=True)]
-    sums = [stats_lib.leaf_finite(n) for n, _ in plain if n is not None]
-    clean = norms.all_true(jnp.all(norms.gather_scalars(sums)) if sums else jnp.asarray(True),
-                           axis_name)
+    xs = build()
+    reduced = [i for i, axes in enumerate(cut.axes) if axes]
+    single = [i for i, axes in enumerate(cut.axes) if axes == ()]
 
-    def exact():
-        again = [_rescued_norm(x, n, total, axes, split) for x, (n, total), axes, split
-                 in zip(build(), plain, cut.axes, cut.split, strict=True)]
-        flags = [flag for _, flag in again if flag is not None]
-        return [n for n, _ in again], stats_lib.all_of(flags, axis_name)
+    def wide(i):
+        return xs[i].astype(norms.acc_dtype(xs[i].dtype))
+
+    sums = norms.leaf_reductions([wide(i) for i in reduced], jnp.square, "sum",
+                                 [cut.axes[i] for i in reduced])
+    totals = [norms.across(t, "sum", cut.split[i]) for i, t in zip(reduced, sums)]
+    exact_norms = [norms.slice_norm(xs[i], 2.0, (), cut.split[i]) for i in single]
+    local = (stats_lib.all_finite([norms.safe_sqrt(t) for t in totals]) &
+             stats_lib.all_finite(exact_norms))
+    clean = norms.all_true(local, axis_name)
+
+    def usual():
+        return [jnp.zeros_like(t) for t in totals], clean
+
+    def rescued():
+        again = build()
+        prepared = []
+        for i, total in zip(reduced, totals):
+            w = again[i].astype(total.dtype)
+            factor = jnp.where(total == jnp.inf, jnp.asarray(
+                2.0 ** -norms.SCALE_SHIFT[w.dtype], w.dtype), jnp.zeros((), w.dtype))
+            prepared.append(jax.lax.abs(w) * factor)
+        sums = norms.leaf_reductions(prepared, lambda d: jax.lax.mul(d, d), "sum",
+                                     [cut.axes[i] for i in reduced])
+        scaled = [norms.across(t, "sum", cut.split[i]) for i, t in zip(reduced, sums)]
+        picked = [jnp.where(t == jnp.inf, q, t) for t, q in zip(totals, scaled)]
+        ok = stats_lib.all_finite(picked) & stats_lib.all_finite(exact_norms)
+        return scaled, norms.all_true(ok, axis_name)
 
     # One flag for the tree, the same on every device in both branches.
-    measured, finite = jax.lax.cond(clean, lambda: ([n for n, _ in plain], clean), exact)
+    scaled, finite = jax.lax.cond(clean, usual, rescued)
+    measured = [None] * len(xs)
+    for i, total, q in zip(reduced, totals, scaled):
+        measured[i] = norms.root_of_squares(total, q, norms.SCALE_SHIFT[total.dtype])
+    for i, n in zip(single, exact_norms):
+        measured[i] = n
     return measured, [finite]
 
 
