@@ -324,7 +324,18 @@ def slice_l2_norms(items: Items | Callable[[], Items]) -> list[jax.Array]:
         return [i for i, p in zip(listed, paired) if not p]
 
     large = iter(_lazy_slice_l2_norms(unpaired(first), lambda: unpaired(wide())))
-    return [_slice_root_sum_squares(*i) if p else next(large) for i, p in zip(first, paired)]
+    small = [i for i, p in zip(first, paired) if p]
+    sums = iter(leaf_reductions([x for x, _, _ in small], _squares, "sum",
+                                [axes for _, axes, _ in small]))
+    return [_slice_root(next(sums), *i) if p else next(large) for i, p in zip(first, paired)]
+
+
+def _slice_root(sums: tuple[jax.Array, jax.Array], x: jax.Array, axes: tuple[int, ...],
+                split: tuple[str, ...]) -> jax.Array:
+    """:func:`root_of_squares` of the plain and scaled sums of squares of ``x``'s slices
+    (keepdims), combined across ``split``."""
+    plain, scaled = (across(v, "sum", split) for v in sums)
+    return root_of_squares(plain, scaled, SCALE_SHIFT[x.dtype])
 
 
 def _lazy_slice_l2_norms(items: Items, build: Callable[[], Items]) -> list[jax.Array]:
@@ -354,9 +365,9 @@ def slice_stds(items: Items) -> list[jax.Array]:
     """
     wide = [(_wide(x), axes, split) for x, axes, split in items]
     counts = [math.prod(x.shape[a] for a in axes) * axes_size(split) for x, axes, split in wide]
-    means = [across(jnp.expand_dims(jax.lax.reduce(x, jnp.zeros((), x.dtype), jax.lax.add, axes),
-                                    axes), "sum", split) / k
-             for (x, axes, split), k in zip(wide, counts)]
+    sums = leaf_reductions([x for x, _, _ in wide], lambda x: x, "sum",
+                           [axes for _, axes, _ in wide])
+    means = [across(t, "sum", split) / k for t, (_, _, split), k in zip(sums, wide, counts)]
     spread = [i for i, k in enumerate(counts) if k >= 2]
     roots = iter(slice_l2_norms(lambda: [(wide[i][0] - means[i], *wide[i][1:]) for i in spread]))
     return [next(roots) / math.sqrt(k - 1) if k >= 2 else jnp.full(m.shape, jnp.nan, x.dtype)
@@ -494,12 +505,15 @@ def _two_sums(a: tuple, b: tuple) -> tuple:
 
 def _compensated_sums(operands: tuple, axes: tuple[int, ...]) -> list[jax.Array]:
     """The sums of ``operands`` over ``axes`` from one variadic reduce that carries each
-    sum's rounding error beside it: right to the dtype's rounding at any length."""
+    sum's rounding error beside it: right to the dtype's rounding at any length; ``inf`` or
+    NaN as a plain sum would be where one overflows or meets a non-finite element."""
     zeros = tuple(jnp.zeros((), v.dtype) for v in operands)
     outs = jax.lax.reduce(operands + tuple(jnp.zeros_like(v) for v in operands), zeros * 2,
                           _two_sums, axes)
     half = len(operands)
-    return [jax.lax.add(s, c) for s, c in zip(outs[:half], outs[half:])]
+    # A sum that overflowed (or met an Inf or NaN) is that value; its error term is NaN.
+    return [jax.lax.select(jax.lax.is_finite(s), jax.lax.add(s, c), s)
+            for s, c in zip(outs[:half], outs[half:])]
 
 
 def _may_group() -> bool:
