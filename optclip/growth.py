@@ -157,11 +157,16 @@ def clip_value_growth(
             zero))
 
     def leaves_stats(xs, prevs, hp):
-        """Per floating leaf, ``(finite, combined reductions)`` (:func:`_values_stats`)."""
+        """Per floating leaf, ``(local sum, combined reductions)`` (:func:`_values_stats`)."""
         if identity:    # a ratio of 1 that limits nothing
             sums = norms.leaf_reductions(xs, stats_lib.nan_marks)
-            return [(t == 0, (jnp.ones((), p.dtype), t)) for t, p in zip(sums, prevs)]
+            return [(t, (jnp.ones((), p.dtype), t)) for t, p in zip(sums, prevs)]
         return _values_stats(xs, prevs, hp, axis_name)
+
+    def finite_of(total):
+        """Whether a leaf's update is finite, from its local sum: ``sum(x - x)`` is 0, the
+        marked excess (with ``add``) is not NaN."""
+        return total == 0 if add is None else jnp.isfinite(total)
 
     def update_fn(updates, state, params=None):
         del params
@@ -171,15 +176,26 @@ def clip_value_growth(
         floats = [i for i, x in enumerate(leaves) if norms.is_float(x)]
         measured = dict(zip(floats, leaves_stats([leaves[i] for i in floats],
                                                  [prevs[i] for i in floats], hp)))
-        ok = stats_lib.all_of([measured[i][0] for i in floats], axis_name)
-
-        def step(i):
-            finite, combined = measured[i]
-            ratio, limited = _ratio_flags(*combined, hp)
-            changed = limited | ~finite
+        # The leaves' reductions gathered into vectors, one per statistics dtype: every flag
+        # is taken once, on them, and each leaf is handed its own (no kernel per leaf). A
+        # leaf counts as finite where it is so on every device along ``axis_name``.
+        group_list = leafvec.groups(leaves)
+        gathered = [tuple(norms.gather_scalars([pick(measured[i]) for i in group.leaves])
+                          for pick in (lambda s: s[0], lambda s: s[1][0], lambda s: s[1][1]))
+                    for group in group_list]
+        finite = [norms.all_true(finite_of(local), axis_name) for local, _, _ in gathered]
+        ok = stats_lib.all_of([jnp.all(f) for f in finite])
+        changed_of = {}
+        for group, (_, m, total), leaf_finite in zip(group_list, gathered, finite):
+            ratio, limited = _ratio_flags(m, total, hp)
+            changed = limited | ~leaf_finite
             if hp.mul is None:   # the same flag (a NaN ratio: a NaN update), now read after
                 changed = changed | jnp.isnan(ratio)    # the ratio's reduction (see below)
-            return _value_step(leaves[i], prevs[i], first, hp, changed, steep, mild)
+            for i, (flag,) in zip(group.leaves, handout.rows((changed,))):
+                changed_of[i] = flag
+
+        def step(i):
+            return _value_step(leaves[i], prevs[i], first, hp, changed_of[i], steep, mild)
 
         if _may_overflow(max_decay):    # a reference growing by 1 / max_decay per step
             stepped = {i: step(i) for i in floats}
@@ -205,18 +221,16 @@ def clip_value_growth(
         outputs, new_prev = list(leaves), list(prevs)
         for i, out, new_ref in zip(floats, outs, news):
             outputs[i], new_prev[i] = out, new_ref
-        # The state's entries from the leaves' reductions, gathered as they are: the ratio and
-        # the flag are then taken once, on the vectors (no kernel per leaf for them).
-        combined = {i: measured[i][1] for i in floats}
-
+        # The state's entries, taken once on the gathered vectors.
         def max_ratio(m, total):
             ratio = _ratio_flags(m, total, hp)[0]
             return jnp.where(first, 1, ratio).astype(ratio.dtype)
 
         fields = stats_lib.keep_if(ok, (
-            leafvec.from_scalars(combined, leaves, state.max_ratio, max_ratio),
-            leafvec.from_scalars(combined, leaves, state.clipped,
-                                 lambda m, total: _ratio_flags(m, total, hp)[1] & ~first)),
+            leafvec.assemble([max_ratio(m, t) for _, m, t in gathered], group_list,
+                             state.max_ratio),
+            leafvec.assemble([_ratio_flags(m, t, hp)[1] & ~first for _, m, t in gathered],
+                             group_list, state.clipped)),
             (state.max_ratio, state.clipped))
         new = ClipValueGrowthState(
             jnp.where(ok, optax.safe_increment(state.count), state.count),
@@ -269,8 +283,9 @@ def _value_limit(wide: jax.Array, prev: jax.Array, hp: _Limits, steep: bool = Fa
 
 def _values_stats(xs: list[jax.Array], prevs: list[jax.Array], hp: _Limits,
                   axis_name: AxisName) -> list[tuple]:
-    """Per leaf, ``(finite, (largest ratio, sum))`` before anything is written, the two
-    reductions combined across devices as :func:`_ratio_flags` reads them.
+    """Per leaf, ``(local sum, (largest ratio, sum))`` before anything is written, the two
+    reductions combined across devices as :func:`_ratio_flags` reads them (the update is
+    finite where the local sum is 0 without ``add``, not NaN with it).
 
     Two reductions per leaf, each reading its update and reference at most once: the largest
     growth ratio, and a sum that is NaN exactly when an update is not finite and otherwise
@@ -290,11 +305,11 @@ def _values_stats(xs: list[jax.Array], prevs: list[jax.Array], hp: _Limits,
     stats = []
     for m, total, sp in zip(maxima, sums, split):
         if hp.add is None:
-            stats.append((total == 0, (norms.across(m, "max", sp), total)))
+            stats.append((total, (norms.across(m, "max", sp), total)))
         else:   # across devices, the sum as 1 where some device's is ~(t <= 0), else 0
             marks = total if not sp else norms.across(
                 (~(total <= 0)).astype(total.dtype), "max", sp)
-            stats.append((jnp.isfinite(total), (norms.across(m, "max", sp), marks)))
+            stats.append((total, (norms.across(m, "max", sp), marks)))
     return stats
 
 
