@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optclip._core import checks, leafvec, norms
+from optclip._core import checks, handout, leafvec, norms
 from optclip._core import stats as stats_lib
 
 __all__ = ["AdamWClipState", "SpamClipState", "StableAdamWClipState", "adamw_clip",
@@ -528,14 +528,22 @@ def stable_adamw_clip(
         correction = _bias_correction(b2, moments.count + 1)
         rms = _update_rms(updates, _nu_tree(updates, moments.nu), b2, correction, eps,
                           axis_name)
-        scale = jax.tree.map(lambda r: 1 / jnp.maximum(1.0, r), rms)
-        rms_vector = leafvec.stack(jax.tree.leaves(rms), state.rms)
+        # Each leaf's RMS and factor in its own statistics dtype, taken on the vectors; each
+        # leaf is handed its factor (no kernel per leaf for them).
+        leaves, treedef = jax.tree.flatten(updates)
+        group_list = leafvec.groups(leaves)
+        rms_parts = [leafvec.take(rms, group) for group in group_list]
+        scale_parts = [1 / jnp.maximum(1.0, r) for r in rms_parts]
+        rms_vector = leafvec.assemble(rms_parts, group_list, state.rms)
         # The RMS sees every NaN/Inf of the gradients: no separate pass to find them.
         finite = jnp.all(jnp.isfinite(rms_vector))
         out, new_inner = _gated_step(inner, finite, updates, state.inner, params, extra_args)
-        out = jax.tree.map(lambda o, c: o if c is None else norms.scale(o, c), out, scale)
-        scale = leafvec.stack(jax.tree.leaves(scale), state.scale)
-        return out, _commit(finite, StableAdamWClipState(
+        outs = treedef.flatten_up_to(out)
+        for group, part in zip(group_list, scale_parts):
+            for i, (factor,) in zip(group.leaves, handout.rows((part,))):
+                outs[i] = norms.scale(outs[i], factor)
+        scale = leafvec.assemble(scale_parts, group_list, state.scale)
+        return treedef.unflatten(outs), _commit(finite, StableAdamWClipState(
             inner=new_inner, rms=rms_vector, scale=scale,
             clipped=scale < 1, nonfinite=state.nonfinite), state)
 
@@ -543,11 +551,12 @@ def stable_adamw_clip(
 
 
 def _update_rms(updates: Any, nu: Any, b2: float, correction: jax.Array, eps: float,
-                axis_name: norms.AxisName) -> Any:
+                axis_name: norms.AxisName) -> jax.Array:
     """Per floating leaf, ``RMS(g / max(sqrt(nu_hat), eps))`` with ``nu_hat`` the adam's second
     moment after it takes ``g`` in, ``(b2 nu + (1 - b2) g**2) / correction``, computed from
     ``g`` and the ``nu`` before the step: one read of both, before the adam's own pass, so that
-    the per-leaf factor fuses into the adam's update. ``None`` at non-floating leaves.
+    the per-leaf factor fuses into the adam's update. One vector over the floating leaves, in
+    the tree's statistics dtype: the leaves' sums gathered, then finished once.
 
     Plain sums of squares cannot overflow here: ``nu_new >= (1 - b2) g**2``, so every ratio is
     at most ``sqrt(correction / (1 - b2))`` in magnitude (about 32 for ``b2 = 0.999``), and a
@@ -568,16 +577,16 @@ def _update_rms(updates: Any, nu: Any, b2: float, correction: jax.Array, eps: fl
 
     pairs = [(g, v) for g, v in zip(jax.tree.leaves(updates), jax.tree.leaves(nu))
              if norms.is_float(g)]
-    if not pairs:
-        return jax.tree.map(lambda g: None, updates)
-    split = norms.split_axes([g for g, _ in pairs], axis_name)
     dtype = norms.stat_dtype(updates)
-    sizes = [max(g.size * norms.axes_size(axes), 1) for (g, _), axes in zip(pairs, split)]
+    if not pairs:
+        return jnp.zeros((0,), dtype)
+    split = norms.split_axes([g for g, _ in pairs], axis_name)
+    sizes = np.asarray([max(g.size * norms.axes_size(axes), 1)
+                        for (g, _), axes in zip(pairs, split)], dtype)
     partials = norms.leaf_reductions([ratio(g, v) for g, v in pairs], jnp.square)
-    rms = iter([norms.safe_sqrt(norms.across(p, "sum", axes).astype(dtype) / size)
-                for p, axes, size in zip(partials, split, sizes)])
-    return jax.tree.map(lambda g: next(rms).astype(norms.acc_dtype(g.dtype))
-                        if norms.is_float(g) else None, updates)
+    sums = norms.gather_scalars([norms.across(p, "sum", axes).astype(dtype)
+                                 for p, axes in zip(partials, split)])
+    return norms.safe_sqrt(sums / sizes)
 
 
 def _cast(x: jax.Array, dtype) -> jax.Array:

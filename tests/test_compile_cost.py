@@ -145,7 +145,7 @@ KERNEL_BUDGET = {
     "project_l2_ball": 5.5, "project_linf_ball": -0.17, "clamp_params": -0.17,
     "frank_wolfe": -0.17, "l1_frank_wolfe": 2.83, "l2_frank_wolfe": 5,
     "linf_frank_wolfe": -0.17, "l1q_frank_wolfe": 16.92, "skip_spikes": 4, "adagc": 0,
-    "spam_clip": 2.83, "adamw_clip": 2.83, "stable_adamw_clip": 5.83,
+    "spam_clip": 2.83, "adamw_clip": 2.83, "stable_adamw_clip": 3.83,
     "adaptive_grad_clip": 4.33,
 }
 
