@@ -184,16 +184,29 @@ def adaptive_grad_clip(
         clipped = [_clip_leaf(g, unit_norms[2 * k], unit_norms[2 * k + 1], bound, eps)
                    for k, (g, _, _) in enumerate(slices_)]
         # The per-leaf statistics of the unit norms: same-shape leaves share each reduction
-        # (one kernel for them all instead of one or more per leaf).
-        peaks = norms.leaf_reductions([c[1] for c in clipped], lambda r: r, "max")
-        hits = norms.leaf_reductions([c[2] for c in clipped], lambda h: h)
+        # (one kernel for them all instead of one or more per leaf). Leaves that are one unit
+        # need none: their unit norms are gathered, and the ratio and hit taken on vectors.
+        several = [k for k, c in enumerate(clipped) if c[1].size != 1]
+        peak_parts, hit_parts = [], []
+        if several:
+            peak_parts.append((several, leafvec.stack(norms.leaf_reductions(
+                [clipped[k][1] for k in several], lambda r: r, "max"), like)))
+            hit_parts.append((several, leafvec.stack(norms.leaf_reductions(
+                [clipped[k][2] for k in several], lambda h: h), like)))
+        for group in _by_dtype([k for k, c in enumerate(clipped) if c[1].size == 1],
+                               unit_norms):
+            g_norm, w_norm = (norms.gather_scalars([unit_norms[2 * k + j].reshape(())
+                                                    for k in group]) for j in (0, 1))
+            _, ratio, hit = _clip_leaf(None, g_norm, w_norm, bound, eps)
+            peak_parts.append((group, ratio))
+            hit_parts.append((group, hit))
         outs = iter(out for out, _, _ in clipped)
         new_leaves = [next(outs) if norms.is_float(g) else g for g in leaves]
         # The statistics are taken from vectors of these reductions: a per-leaf maximum,
         # division or finiteness test costs a kernel per leaf.
-        totals = leafvec.stack(hits, like)
+        totals = _placed(hit_parts, like)
         units = np.asarray([max(ratio.size, 1) for _, ratio, _ in clipped])
-        return (treedef.unflatten(new_leaves), jnp.maximum(leafvec.stack(peaks, like), 0),
+        return (treedef.unflatten(new_leaves), jnp.maximum(_placed(peak_parts, like), 0),
                 _fractions(totals, units, leafvec.groups(leaves), like),
                 jnp.all(jnp.isfinite(totals)))
 
@@ -231,15 +244,38 @@ def _unit_axes(g: jax.Array, leaf_dim: Any) -> tuple[int, ...]:
     return () if axes is None else axes
 
 
-def _clip_leaf(g: jax.Array, g_norm: jax.Array, w_norm: jax.Array, bound: jax.Array,
-               eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _placed(parts: list[tuple[list[int], jax.Array]], like: jax.Array) -> jax.Array:
+    """One per-leaf vector of ``like``'s shape and dtype from ``(leaf positions, values)``
+    parts that cover every position once (one scatter per part, none for a single part in
+    order)."""
+    if len(parts) == 1 and parts[0][0] == list(range(like.shape[0])):
+        return parts[0][1].astype(like.dtype)
+    out = jnp.zeros_like(like)
+    for positions, values in parts:
+        out = out.at[np.asarray(positions, np.int32)].set(values.astype(like.dtype),
+                                                          unique_indices=True)
+    return out
+
+
+def _by_dtype(indices: list[int], unit_norms: list[jax.Array]) -> list[list[int]]:
+    """``indices`` (of float leaves, whose unit norms are ``unit_norms[2 k]``) grouped by the
+    dtype of their norms, in order."""
+    groups: dict[Any, list[int]] = {}
+    for k in indices:
+        groups.setdefault(unit_norms[2 * k].dtype, []).append(k)
+    return list(groups.values())
+
+
+def _clip_leaf(g: jax.Array | None, g_norm: jax.Array, w_norm: jax.Array, bound: jax.Array,
+               eps: float) -> tuple[jax.Array | None, jax.Array, jax.Array]:
     """``(clipped g, unit ratios, unit hits)`` for one float leaf from its unit norms: the
     ratios' maximum is the leaf's max ratio, and the hits sum to the number of clipped units
-    (NaN exactly where a unit norm of ``g`` is not finite)."""
+    (NaN exactly where a unit norm of ``g`` is not finite). Without ``g``, only the ratios
+    and hits (of the entries of any arrays of unit norms)."""
     w_norm = w_norm.astype(g_norm.dtype)
     floor = jnp.maximum(w_norm, jnp.asarray(eps, g_norm.dtype))
     allowed = bound.astype(g_norm.dtype) * floor
-    out = norms.scale(g, slices.clip_multiplier(g_norm, allowed))
+    out = None if g is None else norms.scale(g, slices.clip_multiplier(g_norm, allowed))
     ratio = g_norm / floor
     # One sum counts the clipped units and sees a non-finite norm (``norm * 0`` is NaN there).
     return out, ratio, (g_norm > allowed).astype(g_norm.dtype) + g_norm * 0

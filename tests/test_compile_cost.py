@@ -146,7 +146,7 @@ KERNEL_BUDGET = {
     "frank_wolfe": -0.17, "l1_frank_wolfe": 2.83, "l2_frank_wolfe": 5,
     "linf_frank_wolfe": -0.17, "l1q_frank_wolfe": 16.92, "skip_spikes": 4, "adagc": 0,
     "spam_clip": 2.83, "adamw_clip": 2.83, "stable_adamw_clip": 3.83,
-    "adaptive_grad_clip": 4.33,
+    "adaptive_grad_clip": 3,
 }
 
 
