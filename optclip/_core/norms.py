@@ -586,19 +586,26 @@ def leaf_reductions(arrays: list[jax.Array], prepare: Callable[[jax.Array], Any]
             mine = [kept(v, i) for v in outs[n * k:(n + 1) * k]]
             results[i] = tuple(mine) if multi else mine[0]
 
-    if not _may_group():
-        for i in range(len(parts)):
-            reduce([i])
-        return results
-    groups: dict[tuple, list[int]] = collections.defaultdict(list)
-    for i, p in enumerate(parts):
-        limit = GROUP_MAX_ELEMENTS if axes is None else SLICE_GROUP_MAX_ELEMENTS
-        key = (p[0].shape, p[0].dtype, dims[i]) if p[0].size <= limit else i
-        groups[key].append(i)
-    for members in groups.values():
-        for start in range(0, len(members), _GROUP_SIZE):
-            reduce(members[start:start + _GROUP_SIZE])
+    for group in shape_groups([p[0] for p in parts], GROUP_MAX_ELEMENTS if axes is None
+                              else SLICE_GROUP_MAX_ELEMENTS, dims):
+        reduce(group)
     return results
+
+
+def shape_groups(arrays: list[jax.Array], limit: int = GROUP_MAX_ELEMENTS,
+                 keys: list | None = None) -> list[list[int]]:
+    """The indices of ``arrays`` in groups that one variadic reduce can take: arrays of up to
+    ``limit`` elements of one shape and dtype (and ``keys[i]``, e.g. the reduced axes), at
+    most :data:`_GROUP_SIZE` together, in order; one group per array where arrays may not be
+    grouped (several devices visible, :func:`_may_group`)."""
+    if not _may_group():
+        return [[i] for i in range(len(arrays))]
+    groups: dict[Any, list[int]] = collections.defaultdict(list)
+    for i, x in enumerate(arrays):
+        key = (x.shape, x.dtype, None if keys is None else keys[i]) if x.size <= limit else i
+        groups[key].append(i)
+    return [members[start:start + _GROUP_SIZE] for members in groups.values()
+            for start in range(0, len(members), _GROUP_SIZE)]
 
 
 def float_leaves(tree: Any) -> list[jax.Array]:
