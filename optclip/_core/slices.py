@@ -342,22 +342,29 @@ def _row_cuts(bits: list, ks: list, settle: bool = False) -> tuple[list, list]:
     largest magnitude, and the index of the last entry equal to it that is kept (keepdims);
     :func:`top_k_masks`' search, one loop and one ``cond`` for all arrays.
 
+    The per-row values of the arrays of one :func:`_count_groups` group are carried stacked
+    (one array per group, counted by one reduce: :func:`_row_counts`), so the loop and the
+    ``cond`` hold a fixed number of kernels per group, not per array.
+
     ``settle`` (one array): the search is :func:`_settled_cut`'s, whose number of rounds
     depends on the data; the cut it returns may be smaller than the ``k``-th largest
     magnitude, with the same entries at or above it.
     """
+    groups = _count_groups(bits)
     # Per-row values built from the data carry its sharding under an explicit mesh.
-    zeros = [jnp.zeros_like(b[..., :1]) for b in bits]
-    sizes = [b.shape[-1] for b in bits]
+    zeros = [_stacked([jnp.zeros_like(bits[i][..., :1]) for i in g]) for g in groups]
+    sizes = [bits[g[0]].shape[-1] for g in groups]
     every = [(z + n).astype(_count_dtype(n)) for z, n in zip(zeros, sizes)]
+    ks = [_stacked([jnp.reshape(ks[i], (1,) * bits[i].ndim) for i in g]) for g in groups]
     if settle:
         (b,), (k,) = bits, ks
-        cut, at_cut = _settled_cut(b, k)
-        kth, at_least = [cut], [at_cut]
+        cut, at_cut = _settled_cut(b, k[0])
+        kth, at_least = [cut[None]], [at_cut[None]]
     else:
         # The largest bit pattern with at least k entries at or above it: the k-th largest.
-        kth, at_least = _largest(zeros, [_inf_bits(b) + 1 for b in bits],
-                                 [functools.partial(_at_or_above, b) for b in bits], ks, every)
+        kth, at_least = _largest(
+            zeros, [_inf_bits(bits[g[0]]) + 1 for g in groups],
+            [functools.partial(_at_or_above, [bits[i] for i in g]) for g in groups], ks, every)
     # A row whose k-th largest magnitude is 0 keeps every zero: that changes no output.
     exact = [jnp.all((a == k.astype(a.dtype)) | (t == 0)) for a, k, t in zip(at_least, ks, kth)]
 
@@ -366,14 +373,69 @@ def _row_cuts(bits: list, ks: list, settle: bool = False) -> tuple[list, list]:
 
     def cut_ties():
         # Per row the last index with fewer than `wanted` ties before it: the last tie kept.
-        ties = [b == t for b, t in zip(bits, kth)]
-        wanted = [1 - k + _row_count(b > t).astype(jnp.int32)
-                  for b, t, k in zip(bits, kth, ks)]
-        counts = [functools.partial(_ties_before, t, _row_index(t)) for t in ties]
+        ties = [[bits[i] == t[j] for j, i in enumerate(g)] for g, t in zip(groups, kth)]
+        wanted = [1 - k + _row_counts([bits[i] > t[j] for j, i in enumerate(g)]
+                                      ).astype(jnp.int32)
+                  for g, t, k in zip(groups, kth, ks)]
+        counts = [functools.partial(_ties_before, t, [_row_index(x) for x in t]) for t in ties]
         return _largest([z.astype(jnp.int32) for z in zeros], [n + 1 for n in sizes], counts,
                         wanted, [e * 0 for e in every])[0]
 
-    return kth, jax.lax.cond(jnp.all(norms.gather_scalars(exact)), row_ends, cut_ties)
+    last = jax.lax.cond(jnp.all(norms.gather_scalars(exact)), row_ends, cut_ties)
+    return _unstacked(groups, kth, len(bits)), _unstacked(groups, last, len(bits))
+
+
+# Arrays up to this many entries have their per-row counts taken together with those of
+# arrays of the same shape (:func:`_count_groups`), at most ``_COUNT_GROUP`` at a time: a
+# variadic reduce is about as fast as one plain reduce per array at 4096 entries, and its
+# compile time grows faster than its operand count (top_q on 2000 small leaves, 2-core CPU,
+# jax 0.10.2: 65 s to compile one reduce per array, 48 s in groups of 4, 44 s of 8, 55 s of 16).
+COUNT_GROUP_MAX_ELEMENTS = 1 << 12
+_COUNT_GROUP = 8
+
+
+def _count_groups(bits: list) -> list[list[int]]:
+    """The indices of ``bits`` in groups whose per-row counts one variadic ``lax.reduce``
+    takes: on a single device, arrays of one shape and dtype of up to
+    :data:`COUNT_GROUP_MAX_ELEMENTS` entries (at most ``_COUNT_GROUP`` a group); every other
+    array alone. With several devices visible every array is alone (``norms._may_group``: XLA's
+    SPMD partitioner gathers the operands of a variadic reduce over a sharded array)."""
+    together = norms._may_group()
+    keyed: dict[Any, list[int]] = {}
+    for i, b in enumerate(bits):
+        key = (b.shape, b.dtype) if together and b.size <= COUNT_GROUP_MAX_ELEMENTS else i
+        keyed.setdefault(key, []).append(i)
+    return [members[start:start + _COUNT_GROUP] for members in keyed.values()
+            for start in range(0, len(members), _COUNT_GROUP)]
+
+
+def _stacked(values: list) -> jax.Array:
+    """Same-shape per-row values of one group stacked along a new leading axis (one value:
+    a leading axis of 1, no copy)."""
+    return values[0][None] if len(values) == 1 else jnp.stack(values)
+
+
+def _unstacked(groups: list, stacked: list, n: int) -> list:
+    """Per array (``n`` of them), its entry of its group's stacked value."""
+    out: list[Any] = [None] * n
+    for g, s in zip(groups, stacked):
+        for j, i in enumerate(g):
+            out[i] = s[j]
+    return out
+
+
+def _row_counts(flags: list) -> jax.Array:
+    """:func:`_row_count` of each array of ``flags`` (one group: same shape), stacked. Several
+    arrays are counted by one variadic ``lax.reduce`` in the count dtype: exact integers in
+    any order of addition, so the same counts."""
+    if len(flags) == 1:
+        return _row_count(flags[0])[None]
+    dtype = _count_dtype(flags[0].shape[-1])
+    axis = flags[0].ndim - 1
+    zeros = tuple(jnp.zeros((), dtype) for _ in flags)
+    sums = jax.lax.reduce(tuple(f.astype(dtype) for f in flags), zeros,
+                          lambda a, b: tuple(jax.lax.add(u, v) for u, v in zip(a, b)), (axis,))
+    return jnp.stack([jnp.expand_dims(s, axis) for s in sums])
 
 
 def _settled_cut(bits: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -393,7 +455,7 @@ def _settled_cut(bits: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
     zero = jnp.zeros_like(bits[..., :1])
 
     def halve(low, high, at_low, middle):
-        at_middle = _at_or_above(bits, middle)
+        at_middle = _row_count(bits >= middle)
         enough = at_middle >= wanted
         return (jnp.where(enough, middle, low), jnp.where(enough, high, middle),
                 jnp.where(enough, at_middle, at_low))
@@ -476,12 +538,16 @@ def _row_index(x: jax.Array) -> jax.Array:
     return jnp.zeros_like(x, jnp.int32) + jnp.arange(x.shape[-1], dtype=jnp.int32)
 
 
-def _at_or_above(bits: jax.Array, value: jax.Array) -> jax.Array:
-    return _row_count(bits >= value)
+def _at_or_above(bits: list, value: jax.Array) -> jax.Array:
+    """Per row of each array of one group, how many ``bits`` are at or above its row of the
+    stacked ``value`` (stacked)."""
+    return _row_counts([b >= value[j] for j, b in enumerate(bits)])
 
 
-def _ties_before(ties: jax.Array, index: jax.Array, end: jax.Array) -> jax.Array:
-    return -_row_count(ties & (index < end))
+def _ties_before(ties: list, index: list, end: jax.Array) -> jax.Array:
+    """Per row of each array of one group, minus how many ``ties`` lie before its row of the
+    stacked ``end`` (stacked)."""
+    return -_row_counts([t & (x < end[j]) for j, (t, x) in enumerate(zip(ties, index))])
 
 
 def _float_of(bits: jax.Array):
@@ -533,11 +599,12 @@ def _count_dtype(size: int) -> jnp.dtype:
 
 def _largest(lows: list, widths: list, counts: list, wanted: list, counted: list
              ) -> tuple[list, list]:
-    """Per row of every array, the largest ``v`` in ``[low, low + width)`` with
-    ``count(v) >= wanted``, and that count, by bisection: each ``count`` must fall as ``v``
-    grows, and ``counted = count(low)`` must reach ``wanted``. ``ceil(log2(width))`` rounds of
-    one ``count`` each, in one loop per number of rounds; round ``r`` tries adding the bit
-    ``2**(rounds - 1 - r)`` to ``v`` (a scalar step: no per-row division)."""
+    """Per row of every array (or stacked group of arrays: entry ``i`` of each list is one),
+    the largest ``v`` in ``[low, low + width)`` with ``count(v) >= wanted``, and that count, by
+    bisection: each ``count`` must fall as ``v`` grows, and ``counted = count(low)`` must reach
+    ``wanted``. ``ceil(log2(width))`` rounds of one ``count`` each, in one loop per number of
+    rounds; round ``r`` tries adding the bit ``2**(rounds - 1 - r)`` to ``v`` (a scalar step:
+    no per-row division)."""
     rounds = [(w - 1).bit_length() for w in widths]
     found, found_count = list(lows), list(counted)
     for n in sorted(set(rounds)):
