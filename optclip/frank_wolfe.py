@@ -63,46 +63,40 @@ def _l1_lmo(g: jax.Array, axes: tuple[int, ...], split: tuple[str, ...], first: 
     return slices.sign(slices.top_q_kept(g, axes, 1, split))
 
 
-def _first_largest(rows: list[jax.Array]) -> list[tuple[jax.Array, jax.Array]]:
-    """Per array of ``rows`` (one shape and dtype), ``(i*, finite)`` per row (keepdims): the
-    first index of the largest ``|g|`` (NaN ranked as the largest), and whether the row is
-    finite, read off the largest magnitude found (NaN and ±Inf rank above every finite
-    magnitude). One argmax of the magnitudes' bits that also returns the maximum, for all the
-    arrays together: on XLA:CPU an integer argmax runs in one read of the row (a float
+def _first_largest(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(i*, finite)`` per row (keepdims): the first index of the largest ``|g|`` (NaN ranked
+    as the largest), and whether the row is finite, read off the largest magnitude found (NaN
+    and ±Inf rank above every finite magnitude). One argmax of the magnitudes' bits that also
+    returns the maximum: on XLA:CPU an integer argmax runs in one read of the row (a float
     argmax, a float key or a ranking by bisection take several), and no second kernel reads
     the row for the entry found."""
-    bits = [slices.magnitude_bits(r) for r in rows]
+    bits = slices.magnitude_bits(rows)
     # The index type of jnp.argmax (64 bits under jax_enable_x64): the same kernels.
     kind = jax.dtypes.canonicalize_dtype(jnp.int64)
-    index = jax.lax.broadcasted_iota(kind, bits[0].shape, bits[0].ndim - 1)
-    low = jnp.asarray(jnp.iinfo(bits[0].dtype).min, bits[0].dtype)
-    found = jax.lax.reduce(tuple(v for b in bits for v in (b, index)),
-                           (low, jnp.zeros((), kind)) * len(bits), _first_max,
-                           (bits[0].ndim - 1,))
-    inf = jax.lax.bitcast_convert_type(jnp.asarray(jnp.inf, norms.acc_dtype(rows[0].dtype)),
-                                       bits[0].dtype)
-    return [(first[..., None].astype(jnp.int32), (peak < inf)[..., None])
-            for peak, first in zip(found[::2], found[1::2])]
+    index = jax.lax.broadcasted_iota(kind, bits.shape, bits.ndim - 1)
+    low = jnp.asarray(jnp.iinfo(bits.dtype).min, bits.dtype)
+    peak, first = jax.lax.reduce((bits, index), (low, jnp.zeros((), kind)), _first_max,
+                                 (bits.ndim - 1,))
+    inf = jax.lax.bitcast_convert_type(jnp.asarray(jnp.inf, norms.acc_dtype(rows.dtype)),
+                                       bits.dtype)
+    return first[..., None].astype(jnp.int32), (peak < inf)[..., None]
 
 
 def _first_max(a: tuple, b: tuple) -> tuple:
-    """Combiner of the argmax, pair by pair (value, index): the larger value, and on ties the
-    lower index (jnp.argmax's)."""
-    out = []
-    for value_a, index_a, value_b, index_b in zip(a[::2], a[1::2], b[::2], b[1::2]):
-        pick = value_a > value_b
-        pick_index = pick | ((value_a == value_b) & (index_a < index_b))
-        out += [jax.lax.select(pick, value_a, value_b),
-                jax.lax.select(pick_index, index_a, index_b)]
-    return tuple(out)
+    """Combiner of the argmax: the larger value, and on ties the lower index (jnp.argmax's)."""
+    (value_a, index_a), (value_b, index_b) = a, b
+    pick = value_a > value_b
+    pick_index = pick | ((value_a == value_b) & (index_a < index_b))
+    return (jax.lax.select(pick, value_a, value_b),
+            jax.lax.select(pick_index, index_a, index_b))
 
 
 def _l1_measure(leaves: list, cut: slices.Slicing, axis_name: norms.AxisName
                 ) -> tuple[list, list]:
     """Per leaf the first index of the largest ``|g|`` of every row (:func:`_first_largest`;
     ``None`` where :func:`_l1_lmo` ranks the leaf itself: one-element slices, slices split over
-    devices), and finiteness flags, read off the same pass where it ranks. On a single device
-    small leaves of one shape and dtype share the argmax, and the flags are grouped too."""
+    devices), and finiteness flags, read off the same pass where it ranks (the rows' flags of
+    same-shape leaves reduced together)."""
     out: list[Any] = [None] * len(leaves)
     ranked, others = [], []
     for i, (g, axes, split) in enumerate(zip(leaves, cut.axes, cut.split, strict=True)):
@@ -114,11 +108,9 @@ def _l1_measure(leaves: list, cut: slices.Slicing, axis_name: norms.AxisName
             others.append(leaves[i])
     rows = {i: slices.slice_rows(leaves[i], cut.axes[i]) for i in ranked}
     finite = []
-    for group in norms.shape_groups([rows[i] for i in ranked], norms.SLICE_GROUP_MAX_ELEMENTS):
-        group = [ranked[n] for n in group]
-        for i, (first, ok) in zip(group, _first_largest([rows[i] for i in group])):
-            out[i] = first
-            finite.append(ok.astype(jnp.float32))
+    for i in ranked:
+        out[i], ok = _first_largest(rows[i])
+        finite.append(ok.astype(jnp.float32))
     # Each row's finiteness, all rows of a leaf (same-shape leaves together) in one minimum
     # (+inf for a leaf of no rows).
     flags = [m > 0 for m in norms.leaf_reductions(finite, lambda f: f, "min")]

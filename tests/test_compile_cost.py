@@ -136,17 +136,17 @@ def test_distinct_kernels_per_leaf(entry):
 # diagnostics, per-leaf scalar decisions and per-leaf conditionals cost kernels of their own.
 # Exact: a change that adds kernels fails here, and one that saves some lowers the table.
 KERNEL_BUDGET = {
-    "clip_value": -1, "clip_norm": 3.08, "clip_by_global_norm": 0, "normalize": 2.08,
-    "centralize": -0.08, "zscore_normalize": 0.75, "clip_norm_by_ema": 6.25,
+    "clip_value": -1, "clip_norm": 3.58, "clip_by_global_norm": 0, "normalize": 5.08,
+    "centralize": 0.75, "zscore_normalize": 0.75, "clip_norm_by_ema": 11.92,
     "normalize_by_ema": 4, "clip_value_by_ema": -0.17, "clip_value_growth": 3.67,
     "clip_norm_growth": -0.17, "hist_clip": 0, "param_hist_clip": 0, "zclip": 0,
-    "quantile_clip": 0, "standard_clip": 0, "sign": 0, "l1_normalize": 3.5,
-    "l2_normalize": 6, "top_q": 1.58, "l1q_normalize": 3.25, "clamp": -0.17,
-    "project_l2_ball": 5.5, "project_linf_ball": -0.17, "clamp_params": -0.17,
-    "frank_wolfe": -0.17, "l1_frank_wolfe": 0.75, "l2_frank_wolfe": 5,
+    "quantile_clip": 0, "standard_clip": 0, "sign": 0, "l1_normalize": 4.5,
+    "l2_normalize": 9.33, "top_q": 1.58, "l1q_normalize": 3.25, "clamp": -0.17,
+    "project_l2_ball": 6.5, "project_linf_ball": -0.17, "clamp_params": -0.17,
+    "frank_wolfe": -0.17, "l1_frank_wolfe": 1.25, "l2_frank_wolfe": 8.33,
     "linf_frank_wolfe": -0.17, "l1q_frank_wolfe": 4.08, "skip_spikes": 4, "adagc": 0,
     "spam_clip": 2.83, "adamw_clip": 2.83, "stable_adamw_clip": 3.83,
-    "adaptive_grad_clip": 3,
+    "adaptive_grad_clip": 5,
 }
 
 

@@ -483,39 +483,6 @@ _REDUCERS = {"sum": (jax.lax.add, 0.0), "max": (jax.lax.max, -math.inf),
              "min": (jax.lax.min, math.inf)}
 
 
-# Arrays up to this many elements have their slice sums grouped: a compensated variadic sum
-# takes about as long as one plain reduce per array at 4096 elements and 4x as long at 65536
-# (16 arrays, 2-core CPU, jax 0.10.2).
-SLICE_GROUP_MAX_ELEMENTS = 1 << 14
-
-
-def _two_sums(a: tuple, b: tuple) -> tuple:
-    """Combiner of :func:`_compensated_sums`: per operand a running sum and its rounding
-    error (the first half of the tuple, then the second), added by an exact two-sum."""
-    half = len(a) // 2
-    sums, errors = [], []
-    for s1, s2, c1, c2 in zip(a[:half], b[:half], a[half:], b[half:]):
-        total = jax.lax.add(s1, s2)
-        part = jax.lax.sub(total, s1)
-        lost = jax.lax.add(jax.lax.sub(s1, jax.lax.sub(total, part)), jax.lax.sub(s2, part))
-        sums.append(total)
-        errors.append(jax.lax.add(jax.lax.add(c1, c2), lost))
-    return tuple(sums) + tuple(errors)
-
-
-def _compensated_sums(operands: tuple, axes: tuple[int, ...]) -> list[jax.Array]:
-    """The sums of ``operands`` over ``axes`` from one variadic reduce that carries each
-    sum's rounding error beside it: right to the dtype's rounding at any length; ``inf`` or
-    NaN as a plain sum would be where one overflows or meets a non-finite element."""
-    zeros = tuple(jnp.zeros((), v.dtype) for v in operands)
-    outs = jax.lax.reduce(operands + tuple(jnp.zeros_like(v) for v in operands), zeros * 2,
-                          _two_sums, axes)
-    half = len(operands)
-    # A sum that overflowed (or met an Inf or NaN) is that value; its error term is NaN.
-    return [jax.lax.select(jax.lax.is_finite(s), jax.lax.add(s, c), s)
-            for s, c in zip(outs[:half], outs[half:])]
-
-
 def _may_group() -> bool:
     """Whether arrays may be reduced by a variadic reduce (same-shape leaves together, or the
     plain and scaled sums of squares of one array side by side).
@@ -547,10 +514,10 @@ def leaf_reductions(arrays: list[jax.Array], prepare: Callable[[jax.Array], Any]
     thousands of leaves by about 3x. A tuple over a larger array is reduced by one plain
     reduction per entry.
 
-    Slice sums (``axes`` given) are grouped for arrays of up to
-    :data:`SLICE_GROUP_MAX_ELEMENTS` and compensated (:func:`_compensated_sums`): XLA:CPU
-    runs a variadic reduce as one sequential loop, whose plain float32 sum of a 4096-element
-    slice is off by about 2e-6 relative (1e-5 at 65536), against 1e-7 for one plain reduce.
+    Slice reductions (``axes`` given) are not grouped: XLA:CPU runs a variadic reduce as one
+    sequential loop, whose float32 sum of a 4096-element slice is off by about 2e-6 relative
+    (1e-7 for one plain reduce), and on trees of 1000 small leaves grouping them saved no
+    compile time (a compensated sum, exact again, cost more than it saved).
     """
     op, init = _REDUCERS[kind]
     prepared = [prepare(x) for x in arrays]
@@ -576,8 +543,6 @@ def leaf_reductions(arrays: list[jax.Array], prepare: Callable[[jax.Array], Any]
         if len(operands) == 1 or (len(group) == 1 and (first.size > PAIR_MAX_ELEMENTS
                                                         or not _may_group())):
             outs = [jax.lax.reduce(v, _identity(init, v.dtype), op, over) for v in operands]
-        elif axes is not None and kind == "sum":
-            outs = _compensated_sums(operands, over)
         else:
             outs = jax.lax.reduce(operands, tuple(_identity(init, v.dtype) for v in operands),
                                   combine, over)
@@ -586,8 +551,9 @@ def leaf_reductions(arrays: list[jax.Array], prepare: Callable[[jax.Array], Any]
             mine = [kept(v, i) for v in outs[n * k:(n + 1) * k]]
             results[i] = tuple(mine) if multi else mine[0]
 
-    for group in shape_groups([p[0] for p in parts], GROUP_MAX_ELEMENTS if axes is None
-                              else SLICE_GROUP_MAX_ELEMENTS, dims):
+    groups = (shape_groups([p[0] for p in parts]) if axes is None
+              else [[i] for i in range(len(parts))])
+    for group in groups:
         reduce(group)
     return results
 
