@@ -564,7 +564,6 @@ def centralize(dim: Dim = None, inverse_dims: bool = False, min_size: int = 2,
     def update_fn(updates, state, params=None):
         del params
         if dim != axes_lib.GLOBAL:
-            # Same-shape leaves share the reduction of their slices' sums.
             leaves, treedef = jax.tree.flatten(updates)
             cut = [slice_axes(g, d) for g, d in zip(leaves, axes_lib.leaf_dims(dim, updates))]
             kept = [i for i, axes in enumerate(cut) if axes is not None]

@@ -189,8 +189,7 @@ def _rescaled_norms(leaves: list, plain: list, ord: float, axes: list, split: li
 def _plain_norms(leaves: list, ord: float, axes: list, split: list) -> list:
     """The L1 or L2 norm of every slice of every leaf (keepdims) from one plain sum: ``inf``
     where it overflows, 0 where the squares underflow. Leaf ``i`` is cut along ``axes[i]``
-    and split over the mesh axes ``split[i]``; small leaves of one shape, dtype and slicing
-    share one reduction."""
+    and split over the mesh axes ``split[i]``."""
     sums = norms.leaf_reductions(
         leaves, (lambda g: jnp.abs(_wide(g))) if ord == 1.0 else (lambda g: _wide(g) * _wide(g)),
         "sum", axes)
