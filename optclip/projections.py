@@ -105,8 +105,9 @@ def _slice_norms(build, cut: slices.Slicing, axis_name: norms.AxisName) -> tuple
     One read of each leaf: the plain sums of squares of its slices; one-element slices
     (``axes=()``) get their exact norm ``|x|``. Only where some norm came out infinite or NaN
     (a sum of squares overflowed, or the step is not finite: one scalar test for the whole
-    tree) are the leaves read again, for the sums scaled down by a power of two (:func:`optclip._core.norms.overflowed_sums`); otherwise
-    every norm is finite and so is every leaf. The step's finiteness is read off the sums: a
+    tree) are the leaves read again, for the sums scaled down by a power of two
+    (:func:`optclip._core.norms.overflowed_sums`); otherwise every norm is finite and so is
+    every leaf. The step's finiteness is read off the sums: a
     NaN element makes its slice's plain sum NaN, an infinite one both sums infinite, and no
     finite slice overflows the scaled sum.
     """
