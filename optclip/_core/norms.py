@@ -509,10 +509,9 @@ def leaf_reductions(arrays: list[jax.Array], prepare: Callable[[jax.Array], Any]
 
     ``prepare`` returns an array, or a tuple of arrays reduced side by side (the result per
     array is then a tuple). One reduction per array; on a single device, small arrays of one
-    shape and dtype (and reduced axes) share one variadic ``lax.reduce`` (the same per-array
-    results, no data copied or concatenated), which cuts XLA compile time on trees of
-    thousands of leaves by about 3x. A tuple over a larger array is reduced by one plain
-    reduction per entry.
+    shape and dtype share one variadic ``lax.reduce`` (the same per-array results, no data
+    copied or concatenated), which cuts XLA compile time on trees of thousands of leaves by
+    about 3x. A tuple over a larger array is reduced by one plain reduction per entry.
 
     Slice reductions (``axes`` given) are not grouped: XLA:CPU runs a variadic reduce as one
     sequential loop, whose float32 sum of a 4096-element slice is off by about 2e-6 relative
@@ -558,17 +557,16 @@ def leaf_reductions(arrays: list[jax.Array], prepare: Callable[[jax.Array], Any]
     return results
 
 
-def shape_groups(arrays: list[jax.Array], limit: int = GROUP_MAX_ELEMENTS,
-                 keys: list | None = None) -> list[list[int]]:
+def shape_groups(arrays: list[jax.Array]) -> list[list[int]]:
     """The indices of ``arrays`` in groups that one variadic reduce can take: arrays of up to
-    ``limit`` elements of one shape and dtype (and ``keys[i]``, e.g. the reduced axes), at
-    most :data:`_GROUP_SIZE` together, in order; one group per array where arrays may not be
-    grouped (several devices visible, :func:`_may_group`)."""
+    :data:`GROUP_MAX_ELEMENTS` elements of one shape and dtype, at most :data:`_GROUP_SIZE`
+    together, in order; one group per array where arrays may not be grouped (several devices
+    visible, :func:`_may_group`)."""
     if not _may_group():
         return [[i] for i in range(len(arrays))]
     groups: dict[Any, list[int]] = collections.defaultdict(list)
     for i, x in enumerate(arrays):
-        key = (x.shape, x.dtype, None if keys is None else keys[i]) if x.size <= limit else i
+        key = (x.shape, x.dtype) if x.size <= GROUP_MAX_ELEMENTS else i
         groups[key].append(i)
     return [members[start:start + _GROUP_SIZE] for members in groups.values()
             for start in range(0, len(members), _GROUP_SIZE)]
