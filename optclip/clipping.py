@@ -551,31 +551,23 @@ def centralize(dim: Dim = None, inverse_dims: bool = False, min_size: int = 2,
     def centre(g, mean):
         return (g.astype(mean.dtype) - mean).astype(g.dtype)
 
-    def slice_axes(g, leaf_dim):
-        """The axes a float leaf's means are taken over, or ``None`` where it is left as it is."""
+    def one_leaf(g, leaf_dim):
         if not norms.is_float(g):
-            return None
+            return g
         axes = axes_lib.reduction_axes(g.ndim, leaf_dim, inverse_dims)
         split = norms.split_axes([g], axis_name)[0]
         if axes is None or axes_lib.slice_size(g.shape, axes) * norms.axes_size(split) < min_size:
-            return None
-        return axes
+            return g
+        total = norms.across(jnp.sum(g.astype(norms.acc_dtype(g.dtype)), axis=axes,
+                                     keepdims=True), "sum", split)
+        return centre(g, total / (axes_lib.slice_size(g.shape, axes) * norms.axes_size(split)))
 
     def update_fn(updates, state, params=None):
         del params
         if dim != axes_lib.GLOBAL:
             leaves, treedef = jax.tree.flatten(updates)
-            cut = [slice_axes(g, d) for g, d in zip(leaves, axes_lib.leaf_dims(dim, updates))]
-            kept = [i for i, axes in enumerate(cut) if axes is not None]
-            split = norms.split_axes([leaves[i] for i in kept], axis_name)
-            sums = norms.leaf_reductions(
-                [leaves[i] for i in kept], lambda g: g.astype(norms.acc_dtype(g.dtype)), "sum",
-                [cut[i] for i in kept])
-            outputs = list(leaves)
-            for i, total, sp in zip(kept, sums, split):
-                count = axes_lib.slice_size(leaves[i].shape, cut[i]) * norms.axes_size(sp)
-                outputs[i] = centre(leaves[i], norms.across(total, "sum", sp) / count)
-            return treedef.unflatten(outputs), state
+            return treedef.unflatten([one_leaf(g, d) for g, d in zip(
+                leaves, axes_lib.leaf_dims(dim, updates))]), state
         leaves = [g for g in jax.tree.leaves(updates) if norms.is_float(g)]
         split = norms.split_axes(leaves, axis_name)
         total = norms.tree_sum([jnp.sum(g.astype(norms.acc_dtype(g.dtype))) for g in leaves],

@@ -106,10 +106,9 @@ def _l1_measure(leaves: list, cut: slices.Slicing, axis_name: norms.AxisName
             ranked.append(i)
         else:
             others.append(leaves[i])
-    rows = {i: slices.slice_rows(leaves[i], cut.axes[i]) for i in ranked}
     finite = []
     for i in ranked:
-        out[i], ok = _first_largest(rows[i])
+        out[i], ok = _first_largest(slices.slice_rows(leaves[i], cut.axes[i]))
         finite.append(ok.astype(jnp.float32))
     # Each row's finiteness, all rows of a leaf (same-shape leaves together) in one minimum
     # (+inf for a leaf of no rows).

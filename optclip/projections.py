@@ -118,9 +118,8 @@ def _slice_norms(build, cut: slices.Slicing, axis_name: norms.AxisName) -> tuple
     def wide(i):
         return xs[i].astype(norms.acc_dtype(xs[i].dtype))
 
-    sums = norms.leaf_reductions([wide(i) for i in reduced], jnp.square, "sum",
-                                 [cut.axes[i] for i in reduced])
-    totals = [norms.across(t, "sum", cut.split[i]) for i, t in zip(reduced, sums)]
+    totals = [norms.across(jnp.sum(jnp.square(wide(i)), axis=cut.axes[i], keepdims=True), "sum",
+                           cut.split[i]) for i in reduced]
     exact_norms = [norms.slice_norm(xs[i], 2.0, (), cut.split[i]) for i in single]
     local = (stats_lib.all_finite([norms.safe_sqrt(t) for t in totals]) &
              stats_lib.all_finite(exact_norms))
@@ -131,15 +130,8 @@ def _slice_norms(build, cut: slices.Slicing, axis_name: norms.AxisName) -> tuple
 
     def rescued():
         again = build()
-        prepared = []
-        for i, total in zip(reduced, totals):
-            w = again[i].astype(total.dtype)
-            factor = jnp.where(total == jnp.inf, jnp.asarray(
-                2.0 ** -norms.SCALE_SHIFT[w.dtype], w.dtype), jnp.zeros((), w.dtype))
-            prepared.append(jax.lax.abs(w) * factor)
-        sums = norms.leaf_reductions(prepared, lambda d: jax.lax.mul(d, d), "sum",
-                                     [cut.axes[i] for i in reduced])
-        scaled = [norms.across(t, "sum", cut.split[i]) for i, t in zip(reduced, sums)]
+        scaled = [norms.overflowed_sums(again[i].astype(total.dtype), total, cut.axes[i],
+                                        cut.split[i]) for i, total in zip(reduced, totals)]
         picked = [jnp.where(t == jnp.inf, q, t) for t, q in zip(totals, scaled)]
         ok = stats_lib.all_finite(picked) & stats_lib.all_finite(exact_norms)
         return scaled, norms.all_true(ok, axis_name)

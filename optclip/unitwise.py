@@ -19,7 +19,7 @@ import numpy as np
 import optax
 
 from optclip._core import axes as axes_lib
-from optclip._core import checks, leafvec, norms, slices
+from optclip._core import checks, handout, leafvec, norms, slices
 from optclip._core import stats as stats_lib
 from optclip._core.checks import ScalarOrSchedule
 from optclip._core.norms import AxisName
@@ -187,26 +187,32 @@ def adaptive_grad_clip(
         # (one kernel for them all instead of one or more per leaf). Leaves that are one unit
         # need none: their unit norms are gathered, and the ratio and hit taken on vectors.
         several = [k for k, c in enumerate(clipped) if c[1].size != 1]
-        peak_parts, hit_parts = [], []
+        parts, peak_parts, hit_parts = [], [], []
         if several:
-            peak_parts.append((several, leafvec.stack(norms.leaf_reductions(
-                [clipped[k][1] for k in several], lambda r: r, "max"), like)))
-            hit_parts.append((several, leafvec.stack(norms.leaf_reductions(
-                [clipped[k][2] for k in several], lambda h: h), like)))
-        for group in _by_dtype([k for k, c in enumerate(clipped) if c[1].size == 1],
-                               unit_norms):
+            parts.append(several)
+            peak_parts.append(leafvec.stack(norms.leaf_reductions(
+                [clipped[k][1] for k in several], lambda r: r, "max"), like))
+            hit_parts.append(leafvec.stack(norms.leaf_reductions(
+                [clipped[k][2] for k in several], lambda h: h), like))
+        for group in handout.by_dtype({k: unit_norms[2 * k].dtype for k, c in
+                                       enumerate(clipped) if c[1].size == 1}).values():
             g_norm, w_norm = (norms.gather_scalars([unit_norms[2 * k + j].reshape(())
                                                     for k in group]) for j in (0, 1))
             _, ratio, hit = _clip_leaf(None, g_norm, w_norm, bound, eps)
-            peak_parts.append((group, ratio))
-            hit_parts.append((group, hit))
+            parts.append(group)
+            peak_parts.append(ratio)
+            hit_parts.append(hit)
+        # The parts cover every float leaf once, each at its position in the vectors.
+        placed = [leafvec.Group(ks, np.asarray(ks, np.int32), like.dtype,
+                                ks == list(range(like.shape[0]))) for ks in parts]
         outs = iter(out for out, _, _ in clipped)
         new_leaves = [next(outs) if norms.is_float(g) else g for g in leaves]
         # The statistics are taken from vectors of these reductions: a per-leaf maximum,
         # division or finiteness test costs a kernel per leaf.
-        totals = _placed(hit_parts, like)
+        totals = leafvec.assemble(hit_parts, placed, like)
         units = np.asarray([max(ratio.size, 1) for _, ratio, _ in clipped])
-        return (treedef.unflatten(new_leaves), jnp.maximum(_placed(peak_parts, like), 0),
+        return (treedef.unflatten(new_leaves),
+                jnp.maximum(leafvec.assemble(peak_parts, placed, like), 0),
                 _fractions(totals, units, leafvec.groups(leaves), like),
                 jnp.all(jnp.isfinite(totals)))
 
@@ -242,28 +248,6 @@ def _fractions(totals: jax.Array, units: np.ndarray, group_list: list[leafvec.Gr
 def _unit_axes(g: jax.Array, leaf_dim: Any) -> tuple[int, ...]:
     axes = axes_lib.reduction_axes(g.ndim, leaf_dim)
     return () if axes is None else axes
-
-
-def _placed(parts: list[tuple[list[int], jax.Array]], like: jax.Array) -> jax.Array:
-    """One per-leaf vector of ``like``'s shape and dtype from ``(leaf positions, values)``
-    parts that cover every position once (one scatter per part, none for a single part in
-    order)."""
-    if len(parts) == 1 and parts[0][0] == list(range(like.shape[0])):
-        return parts[0][1].astype(like.dtype)
-    out = jnp.zeros_like(like)
-    for positions, values in parts:
-        out = out.at[np.asarray(positions, np.int32)].set(values.astype(like.dtype),
-                                                          unique_indices=True)
-    return out
-
-
-def _by_dtype(indices: list[int], unit_norms: list[jax.Array]) -> list[list[int]]:
-    """``indices`` (of float leaves, whose unit norms are ``unit_norms[2 k]``) grouped by the
-    dtype of their norms, in order."""
-    groups: dict[Any, list[int]] = {}
-    for k in indices:
-        groups.setdefault(unit_norms[2 * k].dtype, []).append(k)
-    return list(groups.values())
 
 
 def _clip_leaf(g: jax.Array | None, g_norm: jax.Array, w_norm: jax.Array, bound: jax.Array,

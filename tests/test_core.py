@@ -208,21 +208,6 @@ def test_grouped_reductions_match_one_reduce_per_leaf(ord, monkeypatch):
     assert text.count("stablehlo.reduce") < 30
 
 
-def test_slice_reductions_match_numpy():
-    """Reductions over given axes (a slice's sum, max or min, keepdims), one per array."""
-    rng = np.random.default_rng(3)
-    arrays = ([jnp.asarray(rng.normal(size=(3, 4)), jnp.float32) for _ in range(5)]
-              + [jnp.asarray(rng.normal(size=(3, 4)), jnp.float32)]
-              + [jnp.asarray(rng.normal(size=(2, 3, 4)), jnp.float32)])
-    axes = [(1,)] * 5 + [(0,), (1, 2)]
-    for kind, reduce in [("sum", np.sum), ("max", np.max), ("min", np.min)]:
-        out = jax.jit(lambda xs, kind=kind: norms.leaf_reductions(xs, jnp.abs, kind, axes))(
-            arrays)
-        for x, a, got in zip(arrays, axes, out, strict=True):
-            np.testing.assert_allclose(got, reduce(np.abs(np.asarray(x)), axis=a, keepdims=True),
-                                       rtol=1e-6)
-
-
 def test_no_grouping_when_several_devices_are_visible():
     assert jax.device_count() == 8 and not norms._may_group()
 

@@ -324,18 +324,7 @@ def slice_l2_norms(items: Items | Callable[[], Items]) -> list[jax.Array]:
         return [i for i, p in zip(listed, paired) if not p]
 
     large = iter(_lazy_slice_l2_norms(unpaired(first), lambda: unpaired(wide())))
-    small = [i for i, p in zip(first, paired) if p]
-    sums = iter(leaf_reductions([x for x, _, _ in small], _squares, "sum",
-                                [axes for _, axes, _ in small]))
-    return [_slice_root(next(sums), *i) if p else next(large) for i, p in zip(first, paired)]
-
-
-def _slice_root(sums: tuple[jax.Array, jax.Array], x: jax.Array, axes: tuple[int, ...],
-                split: tuple[str, ...]) -> jax.Array:
-    """:func:`root_of_squares` of the plain and scaled sums of squares of ``x``'s slices
-    (keepdims), combined across ``split``."""
-    plain, scaled = (across(v, "sum", split) for v in sums)
-    return root_of_squares(plain, scaled, SCALE_SHIFT[x.dtype])
+    return [_slice_root_sum_squares(*i) if p else next(large) for i, p in zip(first, paired)]
 
 
 def _lazy_slice_l2_norms(items: Items, build: Callable[[], Items]) -> list[jax.Array]:
@@ -365,9 +354,9 @@ def slice_stds(items: Items) -> list[jax.Array]:
     """
     wide = [(_wide(x), axes, split) for x, axes, split in items]
     counts = [math.prod(x.shape[a] for a in axes) * axes_size(split) for x, axes, split in wide]
-    sums = leaf_reductions([x for x, _, _ in wide], lambda x: x, "sum",
-                           [axes for _, axes, _ in wide])
-    means = [across(t, "sum", split) / k for t, (_, _, split), k in zip(sums, wide, counts)]
+    means = [across(jnp.expand_dims(jax.lax.reduce(x, jnp.zeros((), x.dtype), jax.lax.add, axes),
+                                    axes), "sum", split) / k
+             for (x, axes, split), k in zip(wide, counts)]
     spread = [i for i, k in enumerate(counts) if k >= 2]
     roots = iter(slice_l2_norms(lambda: [(wide[i][0] - means[i], *wide[i][1:]) for i in spread]))
     return [next(roots) / math.sqrt(k - 1) if k >= 2 else jnp.full(m.shape, jnp.nan, x.dtype)
@@ -503,34 +492,20 @@ def _identity(init: float, dtype) -> jax.Array:
 
 
 def leaf_reductions(arrays: list[jax.Array], prepare: Callable[[jax.Array], Any],
-                    kind: str = "sum", axes: list[tuple[int, ...]] | None = None) -> list[Any]:
-    """``kind`` (``'sum'``, ``'max'``, ``'min'``) of ``prepare(x)`` over all axes, per array
-    (or over ``axes[i]`` for array ``i``, keepdims: a slice's reduction).
+                    kind: str = "sum") -> list[Any]:
+    """``kind`` (``'sum'``, ``'max'``, ``'min'``) of ``prepare(x)`` over all axes, per array.
 
     ``prepare`` returns an array, or a tuple of arrays reduced side by side (the result per
     array is then a tuple). One reduction per array; on a single device, small arrays of one
     shape and dtype share one variadic ``lax.reduce`` (the same per-array results, no data
     copied or concatenated), which cuts XLA compile time on trees of thousands of leaves by
     about 3x. A tuple over a larger array is reduced by one plain reduction per entry.
-
-    Slice reductions (``axes`` given) are not grouped: XLA:CPU runs a variadic reduce as one
-    sequential loop, whose float32 sum of a 4096-element slice is off by about 2e-6 relative
-    (1e-7 for one plain reduce), and on trees of 1000 small leaves grouping them saved no
-    compile time (a compensated sum, exact again, cost more than it saved).
     """
     op, init = _REDUCERS[kind]
     prepared = [prepare(x) for x in arrays]
     multi = bool(prepared) and isinstance(prepared[0], tuple)
     parts = [p if multi else (p,) for p in prepared]
     results: list[Any] = [None] * len(parts)
-    dims = [tuple(range(p[0].ndim)) for p in parts] if axes is None else [
-        tuple(sorted(a)) for a in axes]
-
-    def kept(value: jax.Array, i: int) -> jax.Array:
-        if axes is None:
-            return value
-        shape = parts[i][0].shape
-        return value.reshape([1 if d in dims[i] else n for d, n in enumerate(shape)])
 
     def combine(a, b):
         return tuple(op(u, v) for u, v in zip(a, b))
@@ -538,38 +513,29 @@ def leaf_reductions(arrays: list[jax.Array], prepare: Callable[[jax.Array], Any]
     def reduce(group: list[int]) -> None:
         operands = tuple(v for i in group for v in parts[i])
         first = operands[0]
-        over = dims[group[0]]
         if len(operands) == 1 or (len(group) == 1 and (first.size > PAIR_MAX_ELEMENTS
                                                         or not _may_group())):
-            outs = [jax.lax.reduce(v, _identity(init, v.dtype), op, over) for v in operands]
+            outs = [jax.lax.reduce(v, _identity(init, v.dtype), op, tuple(range(v.ndim)))
+                    for v in operands]
         else:
             outs = jax.lax.reduce(operands, tuple(_identity(init, v.dtype) for v in operands),
-                                  combine, over)
+                                  combine, tuple(range(first.ndim)))
         k = len(parts[group[0]])
         for n, i in enumerate(group):
-            mine = [kept(v, i) for v in outs[n * k:(n + 1) * k]]
-            results[i] = tuple(mine) if multi else mine[0]
+            results[i] = tuple(outs[n * k:(n + 1) * k]) if multi else outs[n]
 
-    groups = (shape_groups([p[0] for p in parts]) if axes is None
-              else [[i] for i in range(len(parts))])
-    for group in groups:
-        reduce(group)
-    return results
-
-
-def shape_groups(arrays: list[jax.Array]) -> list[list[int]]:
-    """The indices of ``arrays`` in groups that one variadic reduce can take: arrays of up to
-    :data:`GROUP_MAX_ELEMENTS` elements of one shape and dtype, at most :data:`_GROUP_SIZE`
-    together, in order; one group per array where arrays may not be grouped (several devices
-    visible, :func:`_may_group`)."""
     if not _may_group():
-        return [[i] for i in range(len(arrays))]
-    groups: dict[Any, list[int]] = collections.defaultdict(list)
-    for i, x in enumerate(arrays):
-        key = (x.shape, x.dtype) if x.size <= GROUP_MAX_ELEMENTS else i
+        for i in range(len(parts)):
+            reduce([i])
+        return results
+    groups: dict[tuple, list[int]] = collections.defaultdict(list)
+    for i, p in enumerate(parts):
+        key = (p[0].shape, p[0].dtype) if p[0].size <= GROUP_MAX_ELEMENTS else i
         groups[key].append(i)
-    return [members[start:start + _GROUP_SIZE] for members in groups.values()
-            for start in range(0, len(members), _GROUP_SIZE)]
+    for members in groups.values():
+        for start in range(0, len(members), _GROUP_SIZE):
+            reduce(members[start:start + _GROUP_SIZE])
+    return results
 
 
 def float_leaves(tree: Any) -> list[jax.Array]:

@@ -190,11 +190,13 @@ def _plain_norms(leaves: list, ord: float, axes: list, split: list) -> list:
     """The L1 or L2 norm of every slice of every leaf (keepdims) from one plain sum: ``inf``
     where it overflows, 0 where the squares underflow. Leaf ``i`` is cut along ``axes[i]``
     and split over the mesh axes ``split[i]``."""
-    sums = norms.leaf_reductions(
-        leaves, (lambda g: jnp.abs(_wide(g))) if ord == 1.0 else (lambda g: _wide(g) * _wide(g)),
-        "sum", axes)
-    totals = [norms.across(t, "sum", s) for t, s in zip(sums, split)]
-    return totals if ord == 1.0 else [norms.safe_sqrt(t) for t in totals]
+    def plain(g, axes, split):
+        wide = _wide(g)
+        total = norms.across(jnp.sum(jnp.abs(wide) if ord == 1.0 else wide * wide, axis=axes,
+                                     keepdims=True), "sum", split)
+        return total if ord == 1.0 else norms.safe_sqrt(total)
+
+    return [plain(g, a, s) for g, a, s in zip(leaves, axes, split, strict=True)]
 
 
 def _elementwise_normalized(g: jax.Array, ord: float, eps: Any) -> tuple[jax.Array, jax.Array]:
