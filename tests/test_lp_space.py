@@ -17,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import optclip
+from optclip._core import norms as norms_lib
 from optclip._core import slices as slices_lib
 
 F32 = np.float32
@@ -1124,6 +1125,60 @@ def test_top_q_ranked_in_groups_matches_one_group(monkeypatch):
     for name in grads:
         np.testing.assert_array_equal(grouped[name], joint[name])
 
+
+
+@pytest.mark.parametrize("make", [lambda: optclip.top_q(0.4, param_ndim=1),
+                                  lambda: optclip.l1q_normalize(0.4, param_ndim=1),
+                                  lambda: optclip.l1q_frank_wolfe(0.4, 1.5, param_ndim=1)],
+                         ids=["top_q", "l1q_normalize", "l1q_frank_wolfe"])
+def test_top_q_counts_of_same_shape_leaves_taken_together_match_apart(make, monkeypatch):
+    """On one device the per-row counts of same-shape small leaves are taken in groups (one
+    variadic reduce per group, the search's values stacked): the same outputs and state as one
+    count per leaf, with groups filled, split and left with one leaf, ties, zero rows, NaN, Inf
+    and bfloat16 leaves."""
+    rng = np.random.default_rng(11)
+    grads = {f"w{i}": rng.normal(size=(5, 7)).astype(F32) for i in range(10)}
+    grads["w1"][2] = 0.0
+    grads["w2"][1, :5] = -1.5                        # ties at the cut
+    grads["w3"][0, 3] = np.nan
+    grads["w4"][4, 0] = -np.inf
+    grads["w5"][3] = [0.0, -0.0, 1e-45, 0.0, 3e38, -3e38, 1.0]
+    grads.update({f"h{i}": jnp.asarray(rng.normal(size=(3, 4)), jnp.bfloat16) for i in range(3)})
+    grads["n"] = np.arange(6, dtype=np.int32)
+    params = jax.tree.map(lambda g: jnp.full_like(g, 0.25 if g.dtype != np.int32 else 1), grads)
+    tx = make()
+
+    def run():
+        step = jax.jit(lambda g, s, p: tx.update(g, s, p))   # traced afresh per run
+        out, state = step(grads, tx.init(params), params)
+        return step(jax.tree.map(lambda g: jnp.asarray(g) * 3, grads), state, params), step.lower(
+            grads, state, params).as_text().count("stablehlo.reduce")
+
+    monkeypatch.setattr(norms_lib, "_may_group", lambda: False)
+    apart, reduces_apart = run()
+    monkeypatch.setattr(norms_lib, "_may_group", lambda: True)
+    monkeypatch.setattr(slices_lib, "COUNT_GROUP_PER", 1)
+    together, reduces_together = run()
+    assert reduces_together < reduces_apart       # the groups were taken
+    for a, b in zip(jax.tree.leaves(apart), jax.tree.leaves(together), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_top_q_groups_grow_with_the_arrays_ranked_together(monkeypatch):
+    """Few arrays are counted apart (a group's kernels compile slower than its arrays' own);
+    groups of same-shape small arrays grow with the number ranked together, to at most 8."""
+    monkeypatch.setattr(norms_lib, "_may_group", lambda: True)
+
+    def group_sizes(shapes):
+        groups = slices_lib._count_groups([jnp.zeros(s, jnp.uint32) for s in shapes])
+        assert sorted(i for g in groups for i in g) == list(range(len(shapes)))
+        return sorted(len(g) for g in groups)
+
+    assert group_sizes([(4, 4)] * 32) == [1] * 32
+    assert group_sizes([(4, 4)] * 41 + [(2, 3)] * 23) == [1, 1] + [2] * 31
+    assert group_sizes([(4, 4)] * 128) == [4] * 32
+    assert group_sizes([(4, 4)] * 250 + [(4097,)] * 6) == [1] * 6 + [2] + [8] * 31
+    assert group_sizes([(4, 4)] * 2000) == [8] * 250
 
 # Magnitudes that tie, cross the zero, overflow, underflow and are not numbers.
 _RANK_VALUES = [0.0, -0.0, 1.0, -1.0, 2.0, 0.5, 1e-45, -3e38, np.inf, -np.inf, np.nan]

@@ -393,21 +393,37 @@ def _row_cuts(bits: list, ks: list, settle: bool = False) -> tuple[list, list]:
 # jax 0.10.2: 65 s to compile one reduce per array, 48 s in groups of 4, 44 s of 8, 55 s of 16).
 COUNT_GROUP_MAX_ELEMENTS = 1 << 12
 _COUNT_GROUP = 8
+# A group saves kernels, and XLA:CPU's time to order a step's kernels grows with the square of
+# their number; but a group's own kernels take longer to compile than those of its arrays apart.
+# So groups grow with the number of arrays ranked together: one array per ``COUNT_GROUP_PER``
+# of them (and at most ``_COUNT_GROUP``). Measured on the benchmark's small leaves (2-core CPU,
+# jax 0.10.2, top_q, each compile timed 2-4 times): on 32 leaves groups of 8 compiled in
+# 1.9-2.1 s, single arrays in 1.3-1.7 s; on 128 leaves groups of 4 in 2.5-2.9 s, of 8 and
+# single arrays in 2.9-3.4 s; on 256 leaves groups of 8 in 5.0-5.3 s, single arrays in
+# 5.7-7.2 s; on 1000 leaves groups of 8 in 18.6 s, single arrays in 30.6 s.
+COUNT_GROUP_PER = 32
+
+
+def _count_group_size(arrays: int) -> int:
+    """How many same-shape arrays one group holds when ``arrays`` are ranked together."""
+    return max(1, min(_COUNT_GROUP, arrays // COUNT_GROUP_PER))
 
 
 def _count_groups(bits: list) -> list[list[int]]:
     """The indices of ``bits`` in groups whose per-row counts one variadic ``lax.reduce``
     takes: on a single device, arrays of one shape and dtype of up to
-    :data:`COUNT_GROUP_MAX_ELEMENTS` entries (at most ``_COUNT_GROUP`` a group); every other
-    array alone. With several devices visible every array is alone (``norms._may_group``: XLA's
-    SPMD partitioner gathers the operands of a variadic reduce over a sharded array)."""
+    :data:`COUNT_GROUP_MAX_ELEMENTS` entries (at most :func:`_count_group_size` a group);
+    every other array alone. With several devices visible every array is alone
+    (``norms._may_group``: XLA's SPMD partitioner gathers the operands of a variadic reduce
+    over a sharded array)."""
     together = norms._may_group()
+    size = _count_group_size(len(bits))
     keyed: dict[Any, list[int]] = {}
     for i, b in enumerate(bits):
         key = (b.shape, b.dtype) if together and b.size <= COUNT_GROUP_MAX_ELEMENTS else i
         keyed.setdefault(key, []).append(i)
-    return [members[start:start + _COUNT_GROUP] for members in keyed.values()
-            for start in range(0, len(members), _COUNT_GROUP)]
+    return [members[start:start + size] for members in keyed.values()
+            for start in range(0, len(members), size)]
 
 
 def _stacked(values: list) -> jax.Array:
