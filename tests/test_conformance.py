@@ -774,6 +774,43 @@ def test_the_leaves_order_and_other_leaves_change_no_leaf_output(entry):
         np.testing.assert_allclose(got[name], want, rtol=rtol, atol=rtol * 1e-3, err_msg=name)
 
 
+def _same_shape_leaves(seed: int, nan: bool = False) -> dict:
+    """16 small float leaves, at least three of each shape and dtype (float32 and bfloat16),
+    an int32 leaf; ``nan``: a NaN in one of them."""
+    rng = np.random.default_rng(seed)
+    tree = {f"leaf{j:02d}": jnp.asarray(rng.normal(size=_MANY_SHAPES[j % 4]) * 2.0 ** (j % 3),
+                                        _MANY_DTYPES[j // 8])
+            for j in range(16)}
+    if nan:
+        tree["leaf05"] = tree["leaf05"].at[0].set(jnp.nan)
+    return dict(tree, count=jnp.arange(3, dtype=jnp.int32))
+
+
+@entries
+def test_leaves_reduced_together_on_one_device_match_leaves_reduced_apart(entry, monkeypatch):
+    """On one device, small leaves of one shape share their reductions (one variadic reduce
+    per group; the top-q ranking's counts in groups): outputs and state are those of every
+    leaf reduced on its own, as on several devices (this suite sees 8, so no other check takes
+    the groups), over a step with a NaN too. Grouped sums add in another order: equal to a few
+    units in the last place of each dtype."""
+    from optclip._core import norms, slices
+    tx = entry.make()
+    params = _same_shape_leaves(1)
+    steps = [_same_shape_leaves(9), _same_shape_leaves(10, nan=True), _same_shape_leaves(11)]
+    runs = []
+    for together in (False, True):
+        monkeypatch.setattr(norms, "_may_group", lambda together=together: together)
+        monkeypatch.setattr(slices, "COUNT_GROUP_PER", 1)
+        update = jax.jit(lambda g, s, p: tx.update(g, s, p))     # traced afresh per run
+        runs.append(jax.tree.leaves(_run(update, tx.init(params), steps, params)))
+    apart, together = runs
+    assert len(apart) == len(together)
+    for want, got in zip(apart, together):
+        rtol = 2e-2 if jnp.asarray(want).dtype == jnp.bfloat16 else max(entry.rtol, 1e-5)
+        np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64),
+                                   rtol=rtol, atol=rtol * 1e-3)
+
+
 @entries
 @pytest.mark.parametrize("tree", [{}, [], {"a": None}], ids=["dict", "list", "none"])
 def test_a_tree_without_arrays_comes_back_as_it_was(entry, tree):
