@@ -491,7 +491,8 @@ def render_markdown(results: dict) -> str:
         "  on 32 leaves its ratio stays above 1.5. The page's small leaves also pay for each",
         "  reduction over rows wider than 32 entries that XNNPACK does not take: on a (32, 64)",
         "  leaf XLA:CPU writes the squares out and reduces in two steps (3 kernels), where a",
-        "  (64, 128) leaf goes to XNNPACK (2 kernels; 2-core CPU, jax 0.10.2).",
+        "  (64, 128) leaf goes to XNNPACK (2 kernels; 2-core CPU, jax 0.10.2). How to keep",
+        "  the wait short on a real model: [Compile time on large trees](compile-time.md).",
         f"* **step ×adam**: time of one `chain(T, adam)` step over one `adam` step on {gpt2},",
         "  the same gradients every step (a fresh copy, made before the clock starts) and the",
         "  state donated; median over "
