@@ -152,6 +152,32 @@ def _exceeds(values: jax.Array, bound, group_list: list[leafvec.Group], like: ja
                             group_list, like)
 
 
+def _whole_leaves(measured: Any) -> bool:
+    """Whether every floating leaf is one slice (its measured norm is 0-d): the per-slice
+    values are then kept as one vector over the floating leaves, not as a tree of 0-d arrays
+    (a step whose state has one output per leaf and field compiles in time quadratic in the
+    leaves)."""
+    return all(jnp.ndim(n) == 0 for n in jax.tree.leaves(measured))
+
+
+def _leaf_vector(measured: Any, updates: Any, like: jax.Array) -> jax.Array:
+    """The 0-d per-leaf values of ``measured`` (``updates``' structure, ``None`` at the
+    non-floating leaves) as one vector of ``like``'s dtype (:func:`optclip.per_leaf`)."""
+    leaves, treedef = jax.tree.flatten(updates)
+    values = treedef.flatten_up_to(measured)
+    return leafvec.from_scalars({i: values[i] for i, x in enumerate(leaves) if norms.is_float(x)},
+                                leaves, like)
+
+
+def _slice_state(zeros: Any, params: Any, *flag_fields: bool) -> tuple:
+    """Initial per-slice fields: ``zeros`` (a tree of per-slice zeros), or, where every leaf
+    is one slice, a per-leaf vector of zeros; one more of ``False`` per ``flag_fields``."""
+    if _whole_leaves(zeros):
+        return (leafvec.full(params, 0.0),
+                *(leafvec.full(params, False, jnp.bool_) for _ in flag_fields))
+    return (zeros, *(jax.tree.map(lambda z: z > 0, zeros) for _ in flag_fields))
+
+
 def _maxima_and_marks(floats: list[jax.Array], axis_name: AxisName) -> tuple[list, list]:
     """Per float leaf, the largest ``|g|`` (wide dtype; on every device along ``axis_name``;
     ``-inf`` for an empty leaf) and the sum of its NaN marks on this device (0 exactly when
@@ -415,7 +441,9 @@ def clip_norm(
 
     Returns:
       An ``optax.GradientTransformation`` whose state logs the per-slice pre-clip ``norm`` and
-      ``clipped`` flags (``optclip.stats`` reports their max and the clipped fraction).
+      ``clipped`` flags (``optclip.stats`` reports their max and the clipped fraction): per
+      leaf, with the reduced axes removed, or, where every leaf is one slice (``dim=None``),
+      one vector over the floating leaves each (:func:`optclip.per_leaf` gives a tree).
 
     References:
       torchzero ``ClipNorm``, declearn ``L2Clipping``. Differences
@@ -441,19 +469,24 @@ def clip_norm(
 
     def init_fn(params):
         zeros = stats_lib.zeros_like_params(lambda p: measure(p, 1.0)[1], params)
-        return ClipNormState(jnp.zeros([], jnp.int32), zeros,
-                             jax.tree.map(lambda z: z > 0, zeros),
+        return ClipNormState(jnp.zeros([], jnp.int32), *_slice_state(zeros, params, True),
                              jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
         del params
         bound = checks.resolve(max_norm, state.count, norms.stat_dtype())
         new_updates, measured = measure(updates, bound)
-        clipped = jax.tree.map(lambda n: n > bound.astype(n.dtype), measured)
-        return new_updates, _advance(
-            state, _finite(ord, updates, measured, axis_name), norm=measured, clipped=clipped)
+        finite = _finite(ord, updates, measured, axis_name)
+        if _whole_leaves(measured):
+            norm = _leaf_vector(measured, updates, state.norm)
+            clipped = _exceeds(norm, bound, leafvec.groups(jax.tree.leaves(updates)),
+                               state.clipped)
+        else:
+            norm = measured
+            clipped = jax.tree.map(lambda n: n > bound.astype(n.dtype), measured)
+        return new_updates, _advance(state, finite, norm=norm, clipped=clipped)
 
-    return checks.transformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn, pairs_leaves=True)
 
 
 def normalize(
@@ -478,7 +511,9 @@ def normalize(
       axis_name: as in :func:`clip_norm`.
 
     Returns:
-      An ``optax.GradientTransformation`` whose state logs the measured ``norm`` (per slice).
+      An ``optax.GradientTransformation`` whose state logs the measured ``norm`` (per slice, as
+      :func:`clip_norm` keeps it: one vector over the floating leaves where every leaf is one
+      slice).
 
     References:
       torchzero ``Normalize``; drytorch ``GradParamNormalizer``.
@@ -503,16 +538,20 @@ def normalize(
 
     def init_fn(params):
         zeros = stats_lib.zeros_like_params(lambda p: measure(p, 1.0)[1], params)
+        if dim != axes_lib.GLOBAL:
+            (zeros,) = _slice_state(zeros, params)
         return state_cls(jnp.zeros([], jnp.int32), zeros, jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
         del params
         target = checks.resolve(norm_value, state.count, norms.stat_dtype())
         new_updates, measured = measure(updates, target)
-        return new_updates, _advance(
-            state, _finite(ord, updates, measured, axis_name), norm=measured)
+        finite = _finite(ord, updates, measured, axis_name)
+        if dim != axes_lib.GLOBAL and _whole_leaves(measured):
+            measured = _leaf_vector(measured, updates, state.norm)
+        return new_updates, _advance(state, finite, norm=measured)
 
-    return checks.transformation(init_fn, update_fn)
+    return checks.transformation(init_fn, update_fn, pairs_leaves=dim != axes_lib.GLOBAL)
 
 
 def centralize(dim: Dim = None, inverse_dims: bool = False, min_size: int = 2,

@@ -489,3 +489,37 @@ def test_clip_value_logs_exact_peaks_and_counts_an_inf_among_grouped_leaves(grou
         _, after = update(broken, state)
         assert int(after.nonfinite) == int(state.nonfinite) + 1
         assert float(optclip.per_leaf(after.max_abs, grads)["w5"]) == float(max_abs["w5"])
+
+
+@pytest.mark.parametrize("make", [lambda: optclip.clip_norm(1.0),
+                                  lambda: optclip.normalize(2.0)], ids=["clip_norm", "normalize"])
+def test_whole_leaf_norms_are_kept_as_one_vector_per_field(make):
+    """With dim=None every leaf is one slice: its norm (and clip_norm's flag) is one entry of a
+    vector over the floating leaves, not a tree of 0-d arrays (one output of the compiled step
+    per leaf and field); per_leaf gives the tree back, and a non-finite step keeps it."""
+    tx = make()
+    grads = {"b": jnp.asarray([3.0, 4.0]), "n": jnp.arange(3), "s": jnp.asarray(0.5),
+             "w": jnp.asarray([[0.1, 0.2], [0.2, 0.4]], jnp.bfloat16)}
+    update = jax.jit(tx.update)
+    state = tx.init(grads)
+    assert state.norm.shape == (3,)
+    out, state = update(grads, state)
+    norms_ = optclip.per_leaf(state.norm, grads)
+    assert norms_["n"] is None
+    for k in ("b", "s", "w"):
+        want = np.linalg.norm(np.asarray(grads[k], np.float64).ravel())
+        np.testing.assert_allclose(float(norms_[k]), want, rtol=1e-6, err_msg=k)
+        assert out[k].dtype == grads[k].dtype
+    if hasattr(state, "clipped"):
+        assert state.clipped.dtype == jnp.bool_
+        assert optclip.per_leaf(state.clipped, grads) == {"b": True, "n": None, "s": False,
+                                                          "w": False}
+    eager = tx.update(grads, tx.init(grads))[1]
+    chex.assert_trees_all_close(eager, state, rtol=1e-6)
+    logged = {k.split("/")[1]: float(v) for k, v in optclip.stats(state).items()}
+    assert logged["norm_max"] == pytest.approx(5.0)
+    assert logged["norm_mean"] == pytest.approx(float(np.mean(state.norm)))
+    bad = dict(grads, b=jnp.asarray([jnp.nan, 1.0]))
+    _, after = update(bad, state)
+    np.testing.assert_array_equal(after.norm, state.norm)
+    assert int(after.nonfinite) == int(state.nonfinite) + 1
