@@ -160,22 +160,10 @@ def _whole_leaves(measured: Any) -> bool:
     return all(jnp.ndim(n) == 0 for n in jax.tree.leaves(measured))
 
 
-def _leaf_vector(measured: Any, updates: Any, like: jax.Array) -> jax.Array:
-    """The 0-d per-leaf values of ``measured`` (``updates``' structure, ``None`` at the
-    non-floating leaves) as one vector of ``like``'s dtype (:func:`optclip.per_leaf`)."""
-    leaves, treedef = jax.tree.flatten(updates)
-    values = treedef.flatten_up_to(measured)
-    return leafvec.from_scalars({i: values[i] for i, x in enumerate(leaves) if norms.is_float(x)},
-                                leaves, like)
-
-
-def _slice_state(zeros: Any, params: Any, *flag_fields: bool) -> tuple:
-    """Initial per-slice fields: ``zeros`` (a tree of per-slice zeros), or, where every leaf
-    is one slice, a per-leaf vector of zeros; one more of ``False`` per ``flag_fields``."""
-    if _whole_leaves(zeros):
-        return (leafvec.full(params, 0.0),
-                *(leafvec.full(params, False, jnp.bool_) for _ in flag_fields))
-    return (zeros, *(jax.tree.map(lambda z: z > 0, zeros) for _ in flag_fields))
+def _slice_zeros(zeros: Any, params: Any) -> Any:
+    """The initial per-slice values: ``zeros`` (a tree of per-slice zeros), or, where every
+    leaf is one slice, a per-leaf vector of zeros."""
+    return leafvec.full(params, 0.0) if _whole_leaves(zeros) else zeros
 
 
 def _maxima_and_marks(floats: list[jax.Array], axis_name: AxisName) -> tuple[list, list]:
@@ -469,7 +457,8 @@ def clip_norm(
 
     def init_fn(params):
         zeros = stats_lib.zeros_like_params(lambda p: measure(p, 1.0)[1], params)
-        return ClipNormState(jnp.zeros([], jnp.int32), *_slice_state(zeros, params, True),
+        norm = _slice_zeros(zeros, params)
+        return ClipNormState(jnp.zeros([], jnp.int32), norm, jax.tree.map(lambda z: z > 0, norm),
                              jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
@@ -478,7 +467,7 @@ def clip_norm(
         new_updates, measured = measure(updates, bound)
         finite = _finite(ord, updates, measured, axis_name)
         if _whole_leaves(measured):
-            norm = _leaf_vector(measured, updates, state.norm)
+            norm = leafvec.stack(jax.tree.leaves(measured), state.norm)
             clipped = _exceeds(norm, bound, leafvec.groups(jax.tree.leaves(updates)),
                                state.clipped)
         else:
@@ -534,24 +523,24 @@ def normalize(
     def measure(tree, target):
         return _normalized(tree, target, ord, dim, inverse_dims, min_size, eps, axis_name)
 
-    state_cls = GlobalNormalizeState if dim == axes_lib.GLOBAL else NormalizeState
+    per_slice = dim != axes_lib.GLOBAL
+    state_cls = NormalizeState if per_slice else GlobalNormalizeState
 
     def init_fn(params):
         zeros = stats_lib.zeros_like_params(lambda p: measure(p, 1.0)[1], params)
-        if dim != axes_lib.GLOBAL:
-            (zeros,) = _slice_state(zeros, params)
-        return state_cls(jnp.zeros([], jnp.int32), zeros, jnp.zeros([], jnp.int32))
+        norm = _slice_zeros(zeros, params) if per_slice else zeros
+        return state_cls(jnp.zeros([], jnp.int32), norm, jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
         del params
         target = checks.resolve(norm_value, state.count, norms.stat_dtype())
         new_updates, measured = measure(updates, target)
         finite = _finite(ord, updates, measured, axis_name)
-        if dim != axes_lib.GLOBAL and _whole_leaves(measured):
-            measured = _leaf_vector(measured, updates, state.norm)
+        if per_slice and _whole_leaves(measured):
+            measured = leafvec.stack(jax.tree.leaves(measured), state.norm)
         return new_updates, _advance(state, finite, norm=measured)
 
-    return checks.transformation(init_fn, update_fn, pairs_leaves=dim != axes_lib.GLOBAL)
+    return checks.transformation(init_fn, update_fn, pairs_leaves=per_slice)
 
 
 def centralize(dim: Dim = None, inverse_dims: bool = False, min_size: int = 2,
