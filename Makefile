@@ -11,7 +11,7 @@ FLOOR_PYTEST_ARGS ?= --ignore=tests/test_notebooks.py --ignore=tests/test_docs_e
 	--ignore=tests/test_docs_site.py
 LINTED := optclip tests benchmarks examples
 
-.PHONY: demo test docs bench bench-docs lint clean
+.PHONY: demo test docs bench bench-device bench-docs lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -60,7 +60,12 @@ docs: $(VENV)/.installed-test
 bench: $(VENV)/.installed-test
 	$(BIN)/python benchmarks/bench_clip.py $(BENCH_ARGS)
 
-# Rebuild docs/benchmarks.md from the last benchmarks/results.json.
+# On a machine whose JAX device is a GPU (with jax[cuda] installed): memory bandwidth reached
+# and chain(T, adam) / adam per step; writes benchmarks/results_device.json, which the page shows.
+bench-device: $(VENV)/.installed-test
+	$(BIN)/python benchmarks/bench_device.py --all $(BENCH_ARGS)
+
+# Rebuild docs/benchmarks.md from the last benchmarks/results.json (and results_device.json).
 bench-docs: $(VENV)/.installed-test
 	$(BIN)/python benchmarks/bench_clip.py --render benchmarks/results.json
 
