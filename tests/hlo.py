@@ -221,3 +221,30 @@ def loop_writes(text: str, size: int, innermost: bool = False) -> list[str]:
 def extra_passes(tx: optax.GradientTransformation, base: optax.GradientTransformation) -> float:
     """Passes per large leaf of :data:`TREE` that ``tx``'s step makes beyond ``base``'s."""
     return (traffic(tx, TREE).passes - traffic(base, TREE).passes) / LARGE
+
+
+# ---------------------------------------------------------------------------------------------
+# Conditionals on a GPU.
+
+_CONDITIONAL = re.compile(r"\bstablehlo\.(?:if|case)\b")
+
+
+def gpu_conditionals(tx: optax.GradientTransformation, tree) -> int:
+    """Conditionals in ``jit(tx.update)`` (params passed) lowered for CUDA on ``tree``.
+
+    Lowered on any machine (``jax.export``'s cross-platform lowering: no GPU needed); the
+    platform choices of ``jax.lax.platform_dependent`` (a conditional on a constant index)
+    are folded away by MLIR's canonicalizer, as XLA folds them, so what is counted is what the
+    GPU runtime executes as a conditional: a copy of the predicate to the host and a wait for
+    the device, every step.
+    """
+    from jax._src.interpreters import mlir as jax_mlir
+    from jax._src.lib.mlir import ir, passmanager
+
+    state = jax.eval_shape(tx.init, tree)
+    step = jax.jit(lambda g, s, p: tx.update(g, s, p))
+    text = jax.export.export(step, platforms=["cuda"])(tree, state, tree).mlir_module()
+    with jax_mlir.make_ir_context():
+        module = ir.Module.parse(text)
+        passmanager.PassManager.parse("builtin.module(canonicalize)").run(module.operation)
+        return len(_CONDITIONAL.findall(str(module)))

@@ -813,6 +813,75 @@ def test_leaves_reduced_together_on_one_device_match_leaves_reduced_apart(entry,
                                    rtol=rtol, atol=rtol * 1e-3)
 
 
+# Conditionals a step keeps on a GPU, where XLA's runtime copies each one's predicate to the
+# host and waits for the device before it goes on: a host sync in every step. Every other
+# transform has none there: the scale-safe norms' rescaled sums are reduced as data on a GPU
+# (optclip._core.branch), beside the plain ones, whose read XLA shares with them.
+GPU_CONDITIONALS = {
+    # The gate that holds per-element state (an EMA, the previous update, a wrapped adam's
+    # moments) on a non-finite or skipped step. As a select over those buffers, XLA:CPU copied
+    # the donated state before every step (skip_spikes(adam): mu, nu and the updates); not yet
+    # measured on a GPU, so the gate stays a conditional there too.
+    "clip_norm_by_ema": 1, "normalize_by_ema": 1, "clip_value_growth": 1, "skip_spikes": 1,
+    "spam_clip": 1, "adamw_clip": 1, "stable_adamw_clip": 1,
+    # A slice whose norm is zero, non-finite or out of the range where its reciprocal is
+    # exact gets its norm again from the data scaled by a factor taken from the first read:
+    # computed every step, that would be one more read of the gradients.
+    "l1_normalize": 1, "l2_normalize": 1,
+    # Likewise the rescaled norms of params + u where a plain sum overflowed.
+    "project_l2_ball": 1, "l2_frank_wolfe": 1,
+    # The top-q ranking's tie-break, which only rows with ties at the cut need.
+    "top_q": 1, "l1q_normalize": 1, "l1q_frank_wolfe": 1,
+}
+
+
+@entries
+def test_a_step_lowered_for_a_gpu_holds_no_conditional(entry):
+    """``chain(T, adam)`` (a wrapper: itself) lowered for CUDA, counted exactly (no GPU
+    needed): no conditional, apart from the listed ones."""
+    from tests import hlo
+    from tests.registry import WRAPPED
+    tx = entry.make() if entry.name in WRAPPED else optax.chain(entry.make(), optax.adam(1e-3))
+    assert hlo.gpu_conditionals(tx, hlo.TREE) == GPU_CONDITIONALS.get(entry.name, 0)
+
+
+def _overflowing(seed: int) -> dict:
+    """:func:`_same_shape_leaves` with float32 leaves of 1e20 (their plain sums of squares
+    overflow float32) and a bfloat16 one of 1e30."""
+    tree = _same_shape_leaves(seed)
+    tree["leaf01"] = tree["leaf01"] * 1e20
+    tree["leaf06"] = tree["leaf06"] * 1e20
+    tree["leaf09"] = tree["leaf09"] * 1e30
+    return tree
+
+
+@entries
+def test_rare_branches_computed_as_data_match_the_conditionals(entry, monkeypatch):
+    """On a GPU the scale-safe norms' rare branch runs every step (``optclip._core.branch``);
+    run here in that form, every output and state leaf equals the one of the conditionals over
+    steps that take the rare branches: plain sums of squares that overflow, a NaN (running
+    state held: a corrupted state would show in the steps after it), and a clean step after
+    them. XLA fuses the two forms differently, so the
+    arithmetic of a step may round apart in the last place (adam's update, an EMA)."""
+    from optclip._core import branch
+    tx = entry.make()
+    params = _same_shape_leaves(1)
+    steps = [_same_shape_leaves(9), _overflowing(10), _same_shape_leaves(11, nan=True),
+             _same_shape_leaves(12)]
+    runs = []
+    for platforms in (branch.SELECT_PLATFORMS, ("cpu", *branch.SELECT_PLATFORMS)):
+        monkeypatch.setattr(branch, "SELECT_PLATFORMS", platforms)
+        update = jax.jit(lambda g, s, p: tx.update(g, s, p))     # traced afresh per run
+        runs.append(jax.tree.leaves(_run(update, tx.init(params), steps, params)))
+    with_conditionals, as_data = runs
+    assert len(as_data) == len(with_conditionals)
+    for want, got in zip(with_conditionals, as_data):
+        rtol = {jnp.bfloat16: 8e-3, jnp.float32: 1e-6}.get(jnp.asarray(want).dtype.type, 0)
+        want, got = np.asarray(want, np.float64), np.asarray(got, np.float64)
+        scale = np.max(np.abs(want[np.isfinite(want)]), initial=0.0)   # a difference of terms
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * scale)
+
+
 @entries
 @pytest.mark.parametrize("tree", [{}, [], {"a": None}], ids=["dict", "list", "none"])
 def test_a_tree_without_arrays_comes_back_as_it_was(entry, tree):

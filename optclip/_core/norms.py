@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optclip._core import checks
+from optclip._core import branch, checks
 
 # The mesh names stay importable from here, where the families read them.
 from optclip._core.mesh import AxisName as AxisName
@@ -702,11 +702,17 @@ def _square_partials(leaves: list[jax.Array], build: Callable[[], list] | None =
 def _when_overflowed(overflow: jax.Array, scaled_total: Callable[[], jax.Array],
                      like: jax.Array, lazy: bool) -> jax.Array:
     """``scaled_total()``; where computing it needs a second read of large leaves, only on a
-    step whose plain sum ``overflow``-ed (one scalar ``lax.cond``; zeros otherwise, unused)."""
+    step whose plain sum ``overflow``-ed (one scalar ``lax.cond``; zeros otherwise, unused).
+
+    On a GPU always (:mod:`optclip._core.branch`): its reduces read the same leaves as the
+    plain sums, and XLA's GPU compiler fuses sibling reductions of one array into one kernel
+    and one read.
+    """
     if not lazy:
         return scaled_total()
-    return jax.lax.cond(jnp.any(overflow), scaled_total,
-                        lambda: jax.tree.map(jnp.zeros_like, like))
+    return branch.rare(jnp.any(overflow), scaled_total,
+                       lambda: jax.tree.map(jnp.zeros_like, like),
+                       select=lambda p, taken, otherwise: taken)
 
 
 def _plain_global_norm(leaves: list[jax.Array], ord: float | str,
