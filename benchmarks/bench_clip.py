@@ -665,6 +665,8 @@ def device_section(dev: dict) -> list[str]:
               f"{r.get('conditionals', '—')} |" for r in rows],
             "",
         ]
+    if c.get("note"):
+        lines += [f"!!! note \"Since this run\"\n    {c['note']}", ""]
     lines += [
         "What this run says:",
         "",
