@@ -761,10 +761,14 @@ def parse_args(argv=None):
         parser.error("--update needs --only (a full run rewrites every row anyway)")
     if args.leaves is None:
         args.leaves = [32, 128] if args.quick else [32, 256, 2000]
-    unknown = set(args.only or ()) - set(CASES)
+    check_names(parser, args.only)
+    return args
+
+
+def check_names(parser: argparse.ArgumentParser, names) -> None:
+    unknown = set(names or ()) - set(CASES)
     if unknown:
         parser.error(f"unknown transforms {sorted(unknown)}; choose from {sorted(CASES)}")
-    return args
 
 
 def main(argv=None):

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -162,17 +161,6 @@ def bandwidth_report(params, grads, args) -> dict:
             "datasheet_bytes_per_s": peak, "gradient_bytes": gbytes, "contenders": rows}
 
 
-def gpu_conditionals(case: bc.Case) -> int:
-    """Conditionals (``stablehlo.if``/``case``) in ``chain(T, adam)``'s step lowered for CUDA on
-    a small tree with a small and a large leaf (cross-platform lowering: no GPU needed)."""
-    tree = {"w": jnp.ones((256, 512), jnp.float32), "b": jnp.ones((512,), jnp.float32)}
-    tx = bc.optimizer(case)
-    state = tx.init(tree)
-    step = jax.jit(lambda g, s, p: tx.update(g, s, p))
-    text = jax.export.export(step, platforms=["cuda"])(tree, state, tree).mlir_module()
-    return len(re.findall(r"stablehlo\.(?:if|case)\b", text))
-
-
 def step_rows(params, grads, args, names, out_path, results) -> None:
     adam = transform_stepper(optax.adam(1e-3), params, grads, args.steps)
     deadline = time.perf_counter() + args.deadline
@@ -229,9 +217,7 @@ def parse_args(argv=None):
     parser.add_argument("--json", default=os.path.join(ROOT, "benchmarks",
                                                        "results_device.json"))
     args = parser.parse_args(argv)
-    unknown = set(args.only or ()) - set(bc.CASES)
-    if unknown:
-        parser.error(f"unknown transforms {sorted(unknown)}; choose from {sorted(bc.CASES)}")
+    bc.check_names(parser, args.only)
     return args
 
 
@@ -241,7 +227,9 @@ def main(argv=None):
         with open(args.conditionals) as f:
             results = json.load(f)
         for row in results["transforms"]:
-            row["conditionals"] = gpu_conditionals(bc.CASES[row["name"]])
+            # The test suite's count (tests/hlo.py), on its tree of two large leaves and a small.
+            row["conditionals"] = bc.hlo.gpu_conditionals(bc.optimizer(bc.CASES[row["name"]]),
+                                                          bc.hlo.TREE)
         head = os.popen(f"git -C {ROOT} rev-parse --short HEAD").read().strip()
         results["conditionals_code"] = head
         with open(args.conditionals, "w") as f:
