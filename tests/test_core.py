@@ -255,6 +255,26 @@ def test_all_finite_on_per_leaf_scalars_and_grouped_leaves(group, monkeypatch):
         assert not bool(check(tree)), path
 
 
+@pytest.mark.parametrize("gpu_form", [False, True], ids=["conditional", "as-data"])
+def test_a_rare_branch_picks_the_same_values_in_both_forms(gpu_form, monkeypatch):
+    """``branch.rare``: a ``lax.cond`` here, and on GPUs both branches and a select (run here
+    by naming the CPU among the select platforms): the same values, and a conditional in the
+    compiled step only in the first form."""
+    from optclip._core import branch
+    if gpu_form:
+        monkeypatch.setattr(branch, "SELECT_PLATFORMS", ("cpu", *branch.SELECT_PLATFORMS))
+    step = jax.jit(lambda p, x: branch.rare(
+        p, lambda: {"a": x * 3 + 1, "b": jnp.sum(x)}, lambda: {"a": x, "b": -x[0]}))
+    x = jnp.arange(1.0, 4.0)
+    taken, otherwise = step(True, x), step(False, x)
+    np.testing.assert_array_equal(taken["a"], [4.0, 7.0, 10.0])
+    assert float(taken["b"]) == 6.0
+    np.testing.assert_array_equal(otherwise["a"], x)
+    assert float(otherwise["b"]) == -1.0
+    compiled = step.lower(True, x).compile().as_text()
+    assert (" conditional(" in compiled) == (not gpu_form)
+
+
 @pytest.mark.parametrize("group", [True, False])
 def test_leaf_l2_norms_list_vector_and_builder_agree(group, monkeypatch):
     """One routine for per-leaf L2 norms: the list, the vector and leaf_norm agree, also where a
