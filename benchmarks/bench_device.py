@@ -170,9 +170,10 @@ def step_rows(params, grads, args, names, out_path, results) -> None:
             break
         case = bc.CASES[name]
         start = time.perf_counter()
-        state_ratio = (bc.state_per_param_byte(bc.optimizer(case), params)
+        tx = bc.optimizer(case)
+        state_ratio = (bc.state_per_param_byte(tx, params)
                        - bc.state_per_param_byte(optax.adam(1e-3), params))
-        chain = transform_stepper(bc.optimizer(case), params, grads, args.steps)
+        chain = transform_stepper(tx, params, grads, args.steps)
         seconds = interleaved({"adam": adam, "chain": chain}, args.rounds)
         row = {"name": name, "step_ratio": seconds["chain"] / seconds["adam"],
                "floor": bc.floor(case, state_ratio), "step_ms": seconds["chain"] * 1e3,
@@ -214,8 +215,7 @@ def parse_args(argv=None):
                         help="seconds after which --all measures no further transform")
     parser.add_argument("--conditionals", metavar="JSON",
                         help="only add each row's conditionals on CUDA to this results file")
-    parser.add_argument("--json", default=os.path.join(ROOT, "benchmarks",
-                                                       "results_device.json"))
+    parser.add_argument("--json", default=bc.DEVICE_JSON)
     args = parser.parse_args(argv)
     bc.check_names(parser, args.only)
     return args

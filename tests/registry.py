@@ -380,3 +380,11 @@ ALL_ENTRIES = [*CLIPPING, *EMA, *GROWTH, *HISTORY, *LP_SPACE, *SPIKES, *UNITWISE
 WRAPPED = {"skip_spikes": lambda: optax.adam(1e-2), "spam_clip": lambda: optax.adam(1e-2),
            "adamw_clip": lambda: optax.adamw(1e-2),
            "stable_adamw_clip": lambda: optax.adam(1e-2)}
+
+
+def with_adam(entry: Entry) -> tuple[optax.GradientTransformation, optax.GradientTransformation]:
+    """The optimizer a step of ``entry`` runs, and the one its cost is measured against:
+    ``chain(T, adam)`` and ``adam``, or a wrapper of adam (``WRAPPED``) and the adam it wraps."""
+    if entry.name in WRAPPED:
+        return entry.make(), WRAPPED[entry.name]()
+    return optax.chain(entry.make(), optax.adam(1e-3)), optax.adam(1e-3)

@@ -26,7 +26,7 @@ import pytest
 
 from optclip._core import norms, slices
 from tests import hlo
-from tests.registry import ALL_ENTRIES, WRAPPED, Entry
+from tests.registry import ALL_ENTRIES, Entry, with_adam
 
 COPIES = 2            # copies of the entry's small tree (default: 2 leaves): 4 and 16 leaves
 GROWTH = 4            # leaf count ratio between the two trees
@@ -184,10 +184,7 @@ def test_kernels_per_leaf_match_budget(entry, monkeypatch):
     monkeypatch.setattr(slices, "single_cpu_device", lambda: True)
     # The top-q ranking's groups as on a large tree (a small one ranks its arrays apart).
     monkeypatch.setattr(slices, "COUNT_GROUP_PER", 1)
-    if entry.name in WRAPPED:
-        tx, base = entry.make(), WRAPPED[entry.name]()
-    else:
-        tx, base = optax.chain(entry.make(), optax.adam(1e-3)), optax.adam(1e-3)
+    tx, base = with_adam(entry)
     extra = round(hlo.extra_kernels_per_leaf(tx, base), 2)
     budget = KERNEL_BUDGET[entry.name]
     assert extra == budget, (

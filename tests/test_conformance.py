@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import optclip
-from tests.registry import ALL_ENTRIES, Entry
+from tests.registry import ALL_ENTRIES, Entry, with_adam
 
 # Public names that are not transform factories (functions of trees, clip functions, criteria).
 NOT_TRANSFORMS = {
@@ -840,8 +840,7 @@ def test_a_step_lowered_for_a_gpu_holds_no_conditional(entry):
     """``chain(T, adam)`` (a wrapper: itself) lowered for CUDA, counted exactly (no GPU
     needed): no conditional, apart from the listed ones."""
     from tests import hlo
-    from tests.registry import WRAPPED
-    tx = entry.make() if entry.name in WRAPPED else optax.chain(entry.make(), optax.adam(1e-3))
+    tx, _ = with_adam(entry)
     assert hlo.gpu_conditionals(tx, hlo.TREE) == GPU_CONDITIONALS.get(entry.name, 0)
 
 

@@ -28,7 +28,7 @@ import optclip
 from optclip._core import norms, slices
 from tests import hlo
 from tests.hlo import LARGE, RECORDED_JAXLIB, TREE, Traffic, extra_passes, recorded_xla, traffic
-from tests.registry import ALL_ENTRIES, WRAPPED, Entry
+from tests.registry import ALL_ENTRIES, Entry, with_adam
 
 pytestmark = pytest.mark.skipif(
     not recorded_xla(), reason=f"exact pass counts of jaxlib {RECORDED_JAXLIB}'s XLA (older "
@@ -94,9 +94,7 @@ BUDGET = {
 
 def _extra(entry: Entry) -> float:
     """Passes per large leaf beyond the baseline's (halves where something is shared)."""
-    if entry.name in WRAPPED:
-        return extra_passes(entry.make(), WRAPPED[entry.name]())
-    return extra_passes(optax.chain(entry.make(), optax.adam(1e-3)), optax.adam(1e-3))
+    return extra_passes(*with_adam(entry))
 
 
 def test_every_transform_has_a_budget():

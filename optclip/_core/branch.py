@@ -29,19 +29,14 @@ import jax
 SELECT_PLATFORMS: tuple[str, ...] = ("cuda", "rocm")
 
 
-def rare(pred: jax.Array, taken: Callable[[], Any], otherwise: Callable[[], Any],
-         select: Callable[[jax.Array, Any, Any], Any] | None = None) -> Any:
+def rare(pred: jax.Array, taken: Callable[[], Any], otherwise: Callable[[], Any]) -> Any:
     """``taken()`` where the scalar ``pred`` holds, else ``otherwise()``.
 
     On CPUs and TPUs one ``lax.cond`` (the branch not taken does not run); on GPUs both run
-    and ``select(pred, taken_value, otherwise_value)`` picks (default: an elementwise
-    ``lax.select`` per leaf). The two must return the same structure.
+    and an elementwise ``lax.select`` per leaf picks. The two must return the same structure.
     """
-    if select is None:
-        select = _select
-
     def both(p):
-        return select(p, taken(), otherwise())
+        return _select(p, taken(), otherwise())
 
     def cond(p):
         return jax.lax.cond(p, taken, otherwise)

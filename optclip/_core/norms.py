@@ -711,8 +711,7 @@ def _when_overflowed(overflow: jax.Array, scaled_total: Callable[[], jax.Array],
     if not lazy:
         return scaled_total()
     return branch.rare(jnp.any(overflow), scaled_total,
-                       lambda: jax.tree.map(jnp.zeros_like, like),
-                       select=lambda p, taken, otherwise: taken)
+                       lambda: jax.tree.map(jnp.zeros_like, like))
 
 
 def _plain_global_norm(leaves: list[jax.Array], ord: float | str,
