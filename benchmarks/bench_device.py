@@ -33,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -70,16 +71,16 @@ class Looped:
     calls would measure the host). Every iteration scales the gradients by a number that
     changes with the iteration, so XLA cannot hoist their reductions out of the loop; the
     multiply fuses into the kernels that read them and moves no bytes.
+
+    ``compiled`` is the loop's executable and compile time from :func:`compile_loops`;
+    without it the loop is compiled here.
     """
 
-    def __init__(self, body, carry, args, steps: int):
-        def run(carry, *args):
-            return jax.lax.fori_loop(0, steps, lambda i, c: body(i, c, *args), carry)
-        self.call = jax.jit(run, donate_argnums=0)
+    def __init__(self, body, carry, args, steps: int, compiled=None):
+        if compiled is None:
+            compiled = compile_loops({None: (body, lambda: carry, args)}, steps, workers=1)[None]
+        self.call, self.compile_s = compiled
         self.carry, self.args, self.steps = carry, args, steps
-        start = time.perf_counter()
-        self.run()                                          # compile
-        self.compile_s = time.perf_counter() - start
         self.run()                                          # warm up
 
     def run(self) -> float:
@@ -89,18 +90,53 @@ class Looped:
         return (time.perf_counter() - start) / self.steps
 
 
+def compile_loops(specs: dict, steps: int, workers: int) -> dict:
+    """``{name: (executable, compile seconds)}`` of the :class:`Looped` loop of each
+    ``name: (body, carry factory, args)``.
+
+    Lowered one after another (tracing holds the GIL), compiled by ``workers`` threads at once
+    (XLA's compiler releases it): most of a full ``--all`` run on a GPU host of many cores was
+    the rows' compiles, one at a time. The seconds are each compile's own wall time, so with
+    several workers they overlap.
+    """
+    def lowered(body, carry, args):
+        def run(carry, *args):
+            return jax.lax.fori_loop(0, steps, lambda i, c: body(i, c, *args), carry)
+        return jax.jit(run, donate_argnums=0).lower(jax.eval_shape(carry), *args)
+
+    def compiled(low):
+        start = time.perf_counter()
+        return low.compile(), time.perf_counter() - start
+
+    lows = {name: lowered(*spec) for name, spec in specs.items()}
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        futures = {name: pool.submit(compiled, low) for name, low in lows.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
 def iteration_scale(i) -> jax.Array:
     return 1.0 + i.astype(jnp.float32) * 1e-7
 
 
-def transform_stepper(tx: optax.GradientTransformation, params, grads, steps: int) -> Looped:
+def transform_loop(tx: optax.GradientTransformation, params, grads) -> tuple:
+    """``(body, carry factory, args)`` of the loop that steps ``tx`` (see :class:`Looped`)."""
     def body(i, carry, grads, params):
         state, _ = carry
         scaled = jax.tree.map(lambda g: g * iteration_scale(i).astype(g.dtype), grads)
         updates, state = tx.update(scaled, state, params)
         return state, updates
-    carry = (jax.tree.map(jnp.copy, tx.init(params)), jax.tree.map(jnp.zeros_like, grads))
-    return Looped(body, carry, (grads, params), steps)
+
+    def carry():
+        return (jax.tree.map(jnp.copy, tx.init(params)), jax.tree.map(jnp.zeros_like, grads))
+    return body, carry, (grads, params)
+
+
+def transform_steppers(txs: dict, params, grads, args) -> dict[str, Looped]:
+    """A :class:`Looped` per ``name: transformation``, all compiled first, in parallel."""
+    specs = {name: transform_loop(tx, params, grads) for name, tx in txs.items()}
+    compiled = compile_loops(specs, args.steps, args.workers)
+    return {name: Looped(body, carry(), loop_args, args.steps, compiled[name])
+            for name, (body, carry, loop_args) in specs.items()}
 
 
 def ceiling_steppers(n: int, steps: int) -> dict[str, Looped]:
@@ -143,8 +179,8 @@ def bandwidth_report(params, grads, args) -> dict:
         "chain(optclip.zclip, adam)": (
             optax.chain(optclip.zclip(), optax.adam(1e-3)), bc.ADAM_PASSES + 1),
     }
-    steppers = {name: transform_stepper(tx, params, grads, args.steps)
-                for name, (tx, _) in contenders.items()}
+    steppers = transform_steppers({name: tx for name, (tx, _) in contenders.items()},
+                                  params, grads, args)
     seconds = interleaved(steppers, args.rounds)
     peak = datasheet_bandwidth(kind)
     rows = {}
@@ -162,18 +198,25 @@ def bandwidth_report(params, grads, args) -> dict:
 
 
 def step_rows(params, grads, args, names, out_path, results) -> None:
-    adam = transform_stepper(optax.adam(1e-3), params, grads, args.steps)
-    deadline = time.perf_counter() + args.deadline
+    start = time.perf_counter()
+    deadline = start + args.deadline
+    body, carry, loop_args = transform_loop(optax.adam(1e-3), params, grads)
+    adam = Looped(body, carry(), loop_args, args.steps)
+    txs = {name: bc.optimizer(bc.CASES[name]) for name in names}
+    specs = {name: transform_loop(tx, params, grads) for name, tx in txs.items()}
+    compiled = compile_loops(specs, args.steps, args.workers)
+    print(f"compiled {len(names)} steps in {time.perf_counter() - start:.0f} s "
+          f"({args.workers} at once)", flush=True)
     for name in names:
         if time.perf_counter() > deadline:
             results["config"]["stopped"] = f"deadline reached before {name}"
             break
-        case = bc.CASES[name]
         start = time.perf_counter()
-        tx = bc.optimizer(case)
-        state_ratio = (bc.state_per_param_byte(tx, params)
+        case = bc.CASES[name]
+        state_ratio = (bc.state_per_param_byte(txs[name], params)
                        - bc.state_per_param_byte(optax.adam(1e-3), params))
-        chain = transform_stepper(tx, params, grads, args.steps)
+        body, carry, loop_args = specs[name]
+        chain = Looped(body, carry(), loop_args, args.steps, compiled.pop(name))
         seconds = interleaved({"adam": adam, "chain": chain}, args.rounds)
         row = {"name": name, "step_ratio": seconds["chain"] / seconds["adam"],
                "floor": bc.floor(case, state_ratio), "step_ms": seconds["chain"] * 1e3,
@@ -211,6 +254,8 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=20, help="steps per round (one loop)")
     parser.add_argument("--repeat", type=int, default=2,
                         help="bandwidth measurements (before and after the rows of --all)")
+    parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
+                        help="steps compiled at once (threads)")
     parser.add_argument("--deadline", type=float, default=1e9,
                         help="seconds after which --all measures no further transform")
     parser.add_argument("--conditionals", metavar="JSON",
