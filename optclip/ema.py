@@ -259,10 +259,11 @@ def _norm_by_ema(divisor_rule, state_cls, beta, ord, eps, tensorwise, max_ema_gr
         def hold():
             return [old[i] for i in floats], out_factors
 
-        # One lax.cond on the step's finiteness commits every EMA leaf (a held step hands the
-        # old EMA back untouched). The output factors leave through it, so the outputs (and
-        # the optimizer after this transform) are computed after the commit has read the
-        # updates: XLA then writes them over the donated updates without copying them first.
+        # One gate (lax.cond; a select on a GPU) on the step's finiteness commits every EMA
+        # leaf (a held step hands the old EMA back untouched). The output factors leave through
+        # it, so the outputs (and the optimizer after this transform) are computed after the
+        # commit has read the updates: XLA then writes them over the donated updates without
+        # copying them first.
         committed, out_factors = stats_lib.run_or_hold(ok, commit, hold)
         for i, e, out_factor in zip(floats, committed, out_factors):
             # Products, not quotients: XLA:CPU fuses a product into each pass that reads it,

@@ -203,8 +203,9 @@ def clip_value_growth(
             outs = [stepped[i][0] for i in floats]
             news = [jnp.where(ok, stepped[i][1], prevs[i]) for i in floats]
         else:
-            # One lax.cond on the step's finiteness writes every reference (a held step
-            # hands the old ones back untouched). The outputs leave through it: they are
+            # One gate (lax.cond; a select on a GPU) on the step's finiteness writes every
+            # reference (a held step hands the old ones back untouched). The outputs leave
+            # through it: they are
             # computed where the reference is read, before it is written over, and the
             # optimizer after this transform reads them instead of computing them again from
             # the update and the old reference (XLA would then copy both first, to write the

@@ -18,7 +18,8 @@ A step with a NaN/Inf gradient leaves the wrapped state as it was (its moments n
 non-finite value) and returns NaN updates, which ``optax.apply_if_finite`` drops. The
 statistics a transform needs before the adam runs (the clipped fraction, the per-tensor RMS,
 the finiteness check) come from one reduction over the gradients and ``nu``, and the
-non-finite gate is one ``lax.cond`` on a scalar, not a select over the moments. The elementwise
+non-finite gate is one ``lax.cond`` on a scalar, not a select over the moments (on a GPU, where a
+conditional is a host sync, a select fused into the adam's kernels). The elementwise
 clips write the clipped gradients (NaN on a held step) in one pass ahead of the adam, which
 reads them as it would the gradients; StableAdamW's per-tensor factor fuses into the adam's
 update.
@@ -201,7 +202,8 @@ def _gated_step(inner, finite, updates, inner_state, params, extra_args, prepare
     """``inner.update`` on ``updates`` and the ``prepare``'d state where ``finite`` holds; else
     NaN updates (``optax.apply_if_finite`` drops them) and ``inner_state`` as it was.
 
-    One ``lax.cond`` (:func:`optclip._core.stats.run_or_hold`), no pass over the moments. The
+    One ``lax.cond`` (:func:`optclip._core.stats.run_or_hold`; a select on a GPU), no pass
+    over the moments. The
     held branch hands its operands back unchanged: XLA then keeps every output in the buffer of
     the operand it replaces (with donated buffers, a branch that builds new arrays makes XLA
     copy outputs after the cond). The NaN updates come from a select after the cond, or, with

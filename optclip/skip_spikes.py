@@ -143,7 +143,9 @@ def skip_spikes(
     are then zeroed on a skipped step by an elementwise select, which fuses into the next pass
     over them (``optax.apply_updates``). An accepted step costs ``inner`` plus one read of the
     gradients for their norm, a skipped step almost nothing (under ``jax.vmap`` the cond
-    becomes a select and both run). On a skipped step adamw's weight decay is skipped too.
+    becomes a select and both run). On a GPU, where a conditional is a host sync, the gate is a
+    select fused into ``inner``'s kernels: ``inner`` runs every step and a skipped one keeps
+    its old state. On a skipped step adamw's weight decay is skipped too.
 
     Args:
       inner: the transformation to protect, usually the whole optimizer (a chain ending in
@@ -311,7 +313,7 @@ def _common_loss(loss: Any, dtype, axis_name: norms.AxisName) -> jax.Array:
 def _gated_update(inner, skip, updates, inner_state, params, extra_args):
     """``inner.update`` on an accepted step; zeros and ``inner_state`` as it was on a skipped one.
 
-    One ``lax.cond`` on the scalar ``skip`` (:func:`optclip._core.stats.run_or_hold`): an
+    One gate on the scalar ``skip`` (:func:`optclip._core.stats.run_or_hold`; a select on a GPU): an
     accepted step runs exactly ``inner``, a skipped one touches nothing. The skipped branch
     hands its operands back unchanged, the gradients included, and the updates are zeroed by
     a select after the cond: XLA then keeps every output in the buffer of the operand it

@@ -815,15 +815,11 @@ def test_leaves_reduced_together_on_one_device_match_leaves_reduced_apart(entry,
 
 # Conditionals a step keeps on a GPU, where XLA's runtime copies each one's predicate to the
 # host and waits for the device before it goes on: a host sync in every step. Every other
-# transform has none there: the scale-safe norms' rescaled sums are reduced as data on a GPU
-# (optclip._core.branch), beside the plain ones, whose read XLA shares with them.
+# transform has none there (optclip._core.branch): the scale-safe norms' rescaled sums are
+# reduced as data on a GPU, beside the plain ones, whose read XLA shares with them, and the
+# gate that holds per-element state (an EMA, the previous update, a wrapped adam's moments)
+# on a rejected step is a select, which XLA fuses into the kernels that write that state.
 GPU_CONDITIONALS = {
-    # The gate that holds per-element state (an EMA, the previous update, a wrapped adam's
-    # moments) on a non-finite or skipped step. As a select over those buffers, XLA:CPU copied
-    # the donated state before every step (skip_spikes(adam): mu, nu and the updates); not yet
-    # measured on a GPU, so the gate stays a conditional there too.
-    "clip_norm_by_ema": 1, "normalize_by_ema": 1, "clip_value_growth": 1, "skip_spikes": 1,
-    "spam_clip": 1, "adamw_clip": 1, "stable_adamw_clip": 1,
     # A slice whose norm is zero, non-finite or out of the range where its reciprocal is
     # exact gets its norm again from the data scaled by a factor taken from the first read:
     # computed every step, that would be one more read of the gradients.

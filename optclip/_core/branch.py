@@ -13,8 +13,10 @@ So a rare-case branch that costs no extra read on a GPU goes through :func:`rare
 ``lax.cond`` on CPUs and TPUs; on GPUs both branches, computed as data and picked by a select.
 The scale-safe norms' rescaled sums are such a branch (their reduces read the arrays the plain
 sums read, and XLA's GPU compiler fuses sibling reductions of one array into one read). A
-branch that re-reads data scaled by what the first read found, or a gate over parameter-sized
-state (a select there made XLA:CPU copy the donated state), stays a ``lax.cond``.
+branch that re-reads data scaled by what the first read found stays a ``lax.cond``: computed
+every step, it would cost a read of the gradients. The gate that holds a wrapped optimizer's
+state on a rejected step (:func:`optclip._core.stats.run_or_hold`) goes through :func:`rare`
+too: on a GPU the select fuses into the kernels that write the state.
 """
 
 from __future__ import annotations

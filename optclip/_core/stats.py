@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optclip._core import checks, norms
+from optclip._core import branch, checks, norms
 
 _REGISTRY: dict[type, tuple[str, tuple[str, ...], frozenset[str]]] = {}
 
@@ -247,15 +247,20 @@ def own_buffers(state: Any) -> Any:
 
 def run_or_hold(ok: jax.Array, run: Callable[[], Any], hold: Callable[[], Any]) -> Any:
     """``run()`` where the scalar ``ok`` holds, else ``hold()``: a step-wide gate on a wrapped
-    optimizer's whole state that costs no pass over it.
+    optimizer's whole state.
 
-    One ``lax.cond`` on the scalar: the taken branch alone runs, so ``run`` updates the state in
-    place and ``hold`` (the rare case) returns it untouched, instead of an elementwise select
-    that reads both versions of every buffer (under ``jax.vmap`` the cond becomes a select).
-    Called eagerly, the chosen branch runs op by op, bit for bit as it would alone.
+    On CPUs and TPUs one ``lax.cond`` on the scalar: the taken branch alone runs, so ``run``
+    updates the state in place and ``hold`` (the rare case) returns it untouched, with no pass
+    over the state (as an elementwise select, XLA:CPU copied the donated state every step). On
+    GPUs a select per leaf (:func:`optclip._core.branch.rare`): a conditional there stops the
+    host every step, and XLA:GPU passed every state buffer into and out of the conditional
+    through copies (on an H100, ``skip_spikes(adam)`` on a 148-leaf tree: 1.93x adam's step
+    with the conditional, 1.45x with the select, which XLA fuses into the update's kernels).
+    Under ``jax.vmap`` the cond becomes a select too. Called eagerly, the chosen branch runs op
+    by op, bit for bit as it would alone.
     """
     if isinstance(ok, jax.core.Tracer):
-        return jax.lax.cond(ok, run, hold)
+        return branch.rare(ok, run, hold)
     return run() if bool(ok) else hold()
 
 
