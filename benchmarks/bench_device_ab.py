@@ -1,0 +1,155 @@
+"""A/B of two forms of optclip's step on an accelerator, in one process (``bench_device.py``'s
+loops and tree).
+
+``gates``: the gate that holds a wrapped adam's moments, an EMA or the previous update on a
+rejected step (``optclip._core.stats.run_or_hold``), as a ``lax.cond`` against the select a GPU
+step takes (``optclip._core.branch.rare``), for five transforms; ``chain(T, adam)`` over
+``adam`` per step, and the kernels (fusions), copies and conditionals of each compiled step.
+On a CPU or TPU both forms are the same conditional.
+
+``grouping``: the variadic reduce that shares one kernel among same-shape small leaves
+(``optclip._core.norms._may_group``) on and off, for ``clip_by_global_norm`` alone and in a
+chain with adam, and ``zclip`` in the chain, next to optax's ``clip_by_global_norm``.
+
+    python benchmarks/bench_device_ab.py gates grouping
+
+writes ``benchmarks/results_device_ab.json``. The page quotes its figures in the GPU section
+of ``docs/benchmarks.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+
+import jax
+import optax
+
+import optclip
+from optclip._core import norms, stats
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_clip as bc  # noqa: E402
+import bench_device as bd  # noqa: E402
+
+AB_JSON = os.path.join(bc.ROOT, "benchmarks", "results_device_ab.json")
+GATED = ["skip_spikes", "clip_norm_by_ema", "clip_value_growth", "stable_adamw_clip",
+         "spam_clip"]
+
+
+def _conditional_gate(ok, run, hold):
+    """``run_or_hold`` as it was before the GPU form: one ``lax.cond`` on every platform."""
+    if isinstance(ok, jax.core.Tracer):
+        return jax.lax.cond(ok, run, hold)
+    return run() if bool(ok) else hold()
+
+
+def _counts(executable) -> dict:
+    text = executable.as_text()
+    return {"kernels": len(re.findall(r"^\s*\S+ = .*? fusion\(", text, re.M)),
+            "copies": len(re.findall(r"^\s*\S+ = \S+ copy\(", text, re.M)),
+            "conditionals": text.count(" conditional(")}
+
+
+def _compiled(setup, build: dict, patch=None) -> tuple[dict, dict]:
+    """Specs and executables of ``{name: transformation factory}``, traced with ``patch``
+    (``(module, attribute, value)``) in place."""
+    old = None
+    if patch:
+        module, attribute, value = patch
+        old = getattr(module, attribute)
+        setattr(module, attribute, value)
+    try:
+        specs = {name: bd.transform_loop(make(), setup.params, setup.grads)
+                 for name, make in build.items()}
+        return specs, bd.compile_loops(specs, setup.args.steps, setup.args.workers)
+    finally:
+        if patch:
+            setattr(module, attribute, old)
+
+
+def _time(setup, groups: list[list[str]], specs: dict, compiled: dict) -> dict:
+    """Each group timed in interleaved rounds, against its first entry."""
+    out = {}
+    for group in groups:
+        loops = {name: bd.Looped(specs[name][0], specs[name][1](), specs[name][2],
+                                 setup.args.steps, compiled[name]) for name in group}
+        seconds = bd.interleaved(loops, setup.args.rounds)
+        for name in group:
+            out[name] = {"ms": seconds[name] * 1e3, "over_first": seconds[name] / seconds[group[0]],
+                         **_counts(compiled[name][0])}
+            print(f"{name:36s} {seconds[name] * 1e3:8.3f} ms  x {group[0]} "
+                  f"{out[name]['over_first']:.3f}  {_counts(compiled[name][0])}", flush=True)
+        del loops
+    return out
+
+
+def gates(setup) -> dict:
+    build = {name: (lambda name=name: bc.optimizer(bc.CASES[name])) for name in GATED}
+    specs, compiled = _compiled(setup, {f"{n}/select": f for n, f in build.items()}
+                                | {"adam": lambda: optax.adam(1e-3)})
+    more = _compiled(setup, {f"{n}/conditional": f for n, f in build.items()},
+                     (stats, "run_or_hold", _conditional_gate))
+    specs.update(more[0])
+    compiled.update(more[1])
+    return _time(setup, [["adam", f"{n}/conditional", f"{n}/select"] for n in GATED],
+                 specs, compiled)
+
+
+def grouping(setup) -> dict:
+    def chain(tx):
+        return lambda: optax.chain(tx(), optax.adam(1e-3))
+    build = {"clip_by_global_norm": lambda: optclip.clip_by_global_norm(1.0),
+             "chain(clip_by_global_norm, adam)": chain(lambda: optclip.clip_by_global_norm(1.0)),
+             "chain(zclip, adam)": chain(optclip.zclip)}
+    specs, compiled = _compiled(
+        setup, {f"{n}/grouped": f for n, f in build.items()}
+        | {"adam": lambda: optax.adam(1e-3),
+           "optax.clip_by_global_norm": lambda: optax.clip_by_global_norm(1.0),
+           "chain(optax.clip_by_global_norm, adam)": chain(
+               lambda: optax.clip_by_global_norm(1.0))})
+    more = _compiled(setup, {f"{n}/per leaf": f for n, f in build.items()},
+                     (norms, "_may_group", lambda: False))
+    specs.update(more[0])
+    compiled.update(more[1])
+    return _time(setup, [["optax.clip_by_global_norm", "clip_by_global_norm/grouped",
+            "clip_by_global_norm/per leaf"],
+           ["adam", "chain(optax.clip_by_global_norm, adam)",
+            "chain(clip_by_global_norm, adam)/grouped", "chain(clip_by_global_norm, adam)/per leaf",
+            "chain(zclip, adam)/grouped", "chain(zclip, adam)/per leaf"]], specs, compiled)
+
+
+EXPERIMENTS = {"gates": gates, "grouping": grouping}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("experiments", nargs="+", choices=sorted(EXPERIMENTS))
+    parser.add_argument("--quick", action="store_true", help="small tree (smoke run)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
+    parser.add_argument("--json", default=AB_JSON)
+    args = parser.parse_args(argv)
+    shapes = bc.gpt2_small_shapes(width=64 if args.quick else 768,
+                                  vocab=1000 if args.quick else 50257)
+    setup = argparse.Namespace(args=args, params=bc.make_tree(shapes, seed=1),
+                               grads=bc.make_tree(shapes, seed=2, scale=1.0))
+    results = {"machine": bc.machine(), "config": {
+        "quick": args.quick, "rounds": args.rounds, "steps": args.steps,
+        "command": "python benchmarks/bench_device_ab.py " + " ".join(
+            sys.argv[1:] if argv is None else argv)}}
+    for name in args.experiments:
+        start = time.perf_counter()
+        results[name] = EXPERIMENTS[name](setup)
+        print(f"{name}: {time.perf_counter() - start:.0f} s", flush=True)
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    print(f"wrote {args.json}")
+
+if __name__ == "__main__":
+    main()
