@@ -9,9 +9,14 @@ On a CPU or TPU both forms are the same conditional.
 
 ``grouping``: the variadic reduce that shares one kernel among same-shape small leaves
 (``optclip._core.norms._may_group``) on and off, for ``clip_by_global_norm`` alone and in a
-chain with adam, and ``zclip`` in the chain, next to optax's ``clip_by_global_norm``.
+chain with adam, and ``zclip`` and ``clip_norm`` in the chain, next to optax's
+``clip_by_global_norm``.
 
-    python benchmarks/bench_device_ab.py gates grouping
+``stages`` (not yet run on a GPU): the same steps with the library's scale-safe sums of squares
+against a candidate that finishes both sums of a leaf in one kernel
+(:func:`_two_stage_partials`).
+
+    python benchmarks/bench_device_ab.py gates grouping stages
 
 writes ``benchmarks/results_device_ab.json``. The page quotes its figures in the GPU section
 of ``docs/benchmarks.md``.
@@ -27,6 +32,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import optax
 
 import optclip
@@ -100,30 +106,64 @@ def gates(setup) -> dict:
                  specs, compiled)
 
 
-def grouping(setup) -> dict:
+def _norm_forms(setup, forms: dict) -> dict:
+    """``clip_by_global_norm`` alone and in a chain with adam, and ``zclip`` and ``clip_norm``
+    in the chain, in each of ``forms`` (``{form: patch or None}``), next to optax's
+    ``clip_by_global_norm``."""
     def chain(tx):
         return lambda: optax.chain(tx(), optax.adam(1e-3))
     build = {"clip_by_global_norm": lambda: optclip.clip_by_global_norm(1.0),
              "chain(clip_by_global_norm, adam)": chain(lambda: optclip.clip_by_global_norm(1.0)),
-             "chain(zclip, adam)": chain(optclip.zclip)}
-    specs, compiled = _compiled(
-        setup, {f"{n}/grouped": f for n, f in build.items()}
-        | {"adam": lambda: optax.adam(1e-3),
-           "optax.clip_by_global_norm": lambda: optax.clip_by_global_norm(1.0),
-           "chain(optax.clip_by_global_norm, adam)": chain(
-               lambda: optax.clip_by_global_norm(1.0))})
-    more = _compiled(setup, {f"{n}/per leaf": f for n, f in build.items()},
-                     (norms, "_may_group", lambda: False))
-    specs.update(more[0])
-    compiled.update(more[1])
-    return _time(setup, [["optax.clip_by_global_norm", "clip_by_global_norm/grouped",
-            "clip_by_global_norm/per leaf"],
-           ["adam", "chain(optax.clip_by_global_norm, adam)",
-            "chain(clip_by_global_norm, adam)/grouped", "chain(clip_by_global_norm, adam)/per leaf",
-            "chain(zclip, adam)/grouped", "chain(zclip, adam)/per leaf"]], specs, compiled)
+             "chain(zclip, adam)": chain(optclip.zclip),
+             "chain(clip_norm, adam)": chain(lambda: optclip.clip_norm(1.0))}
+    specs, compiled = _compiled(setup, {
+        "adam": lambda: optax.adam(1e-3),
+        "optax.clip_by_global_norm": lambda: optax.clip_by_global_norm(1.0),
+        "chain(optax.clip_by_global_norm, adam)": chain(lambda: optax.clip_by_global_norm(1.0))})
+    for form, patch in forms.items():
+        more = _compiled(setup, {f"{n}/{form}": f for n, f in build.items()}, patch)
+        specs.update(more[0])
+        compiled.update(more[1])
+    return _time(setup, [["optax.clip_by_global_norm",
+                          *[f"clip_by_global_norm/{form}" for form in forms]],
+                         ["adam", "chain(optax.clip_by_global_norm, adam)",
+                          *[f"{n}/{form}" for n in list(build)[1:] for form in forms]]],
+                 specs, compiled)
 
 
-EXPERIMENTS = {"gates": gates, "grouping": grouping}
+def grouping(setup) -> dict:
+    return _norm_forms(setup, {"grouped": None,
+                               "per leaf": (norms, "_may_group", lambda: False)})
+
+
+def _two_stage_partials(leaves, build=None):
+    """A candidate form of ``norms._square_partials`` for a GPU: each leaf's plain and scaled
+    sums of squares from one variadic reduce over its last axis, then one variadic reduce of
+    the two row vectors, so that one kernel finishes both sums. (XLA:GPU split the variadic
+    reduce of a large leaf over all axes into one first stage with both partial sums and two
+    single-result second stages: one more kernel per large leaf than optax's one sum.)"""
+    del build
+
+    def sums(x):
+        wide = norms._wide(x)
+        zero = jnp.zeros((), wide.dtype)
+        squares = norms._squares(wide)
+        if wide.ndim >= 2:
+            rows = jax.lax.reduce(squares, (zero, zero), norms._add_pairs, (wide.ndim - 1,))
+            squares = tuple(r.reshape(-1) for r in rows)
+        return jax.lax.reduce(squares, (zero, zero), norms._add_pairs,
+                              tuple(range(squares[0].ndim)))
+
+    pairs = [sums(x) for x in leaves]
+    return [p for p, _ in pairs], (lambda: [q for _, q in pairs]), False
+
+
+def stages(setup) -> dict:
+    return _norm_forms(setup, {"library": None,
+                               "two-stage": (norms, "_square_partials", _two_stage_partials)})
+
+
+EXPERIMENTS = {"gates": gates, "grouping": grouping, "stages": stages}
 
 
 def main(argv=None) -> None:
