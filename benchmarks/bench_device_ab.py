@@ -16,7 +16,11 @@ chain with adam, and ``zclip`` and ``clip_norm`` in the chain, next to optax's
 against a candidate that finishes both sums of a leaf in one kernel
 (:func:`_two_stage_partials`).
 
-    python benchmarks/bench_device_ab.py gates grouping stages
+``ranking`` (not yet run on a GPU): ``top_q`` and ``l1q_normalize`` with the library's
+bisection on the bits of ``|g|`` against a candidate that sorts each row
+(:func:`_sorted_top_k_masks`).
+
+    python benchmarks/bench_device_ab.py gates grouping stages ranking
 
 writes ``benchmarks/results_device_ab.json``. The page quotes its figures in the GPU section
 of ``docs/benchmarks.md``.
@@ -36,13 +40,14 @@ import jax.numpy as jnp
 import optax
 
 import optclip
-from optclip._core import norms, stats
+from optclip._core import norms, slices, stats
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_clip as bc  # noqa: E402
 import bench_device as bd  # noqa: E402
 
 AB_JSON = os.path.join(bc.ROOT, "benchmarks", "results_device_ab.json")
+RANKED = ["top_q", "l1q_normalize"]
 GATED = ["skip_spikes", "clip_norm_by_ema", "clip_value_growth", "stable_adamw_clip",
          "spam_clip"]
 
@@ -163,7 +168,42 @@ def stages(setup) -> dict:
                                "two-stage": (norms, "_square_partials", _two_stage_partials)})
 
 
-EXPERIMENTS = {"gates": gates, "grouping": grouping, "stages": stages}
+def _sorted_top_k_masks(rows: list, ks: list) -> list:
+    """A candidate form of ``slices.top_k_masks`` for a GPU: one stable sort of every row by
+    descending magnitude (``lax.sort`` on the negated magnitude bits, carrying the index)
+    instead of the bisection on the bits, whose data-dependent loop reads its predicate back
+    to the host every round. The same masks: the ``k`` largest ``|g|`` of each row, ties to
+    the lowest index, NaN as the largest, and every zero where the ``k``-th largest is 0."""
+    masks = []
+    for r, k in zip(rows, ks):
+        if r.shape[-1] == 0:
+            masks.append(jnp.zeros(r.shape, bool))
+            continue
+        k = jnp.asarray(k, jnp.int32)
+        bits = slices.magnitude_bits(r)
+        index = slices._row_index(bits)
+        keys, order = jax.lax.sort((-bits, index), dimension=bits.ndim - 1, is_stable=True,
+                                   num_keys=1)
+        at = jnp.broadcast_to(jnp.maximum(k - 1, 0), bits.shape[:-1] + (1,))
+        kth = -jnp.take_along_axis(keys, at, axis=-1)
+        last = jnp.where(kth == 0, bits.shape[-1] - 1, jnp.take_along_axis(order, at, axis=-1))
+        masks.append(((bits > kth) | ((bits == kth) & (index <= last))) & (k > 0))
+    return masks
+
+
+def ranking(setup) -> dict:
+    build = {name: (lambda name=name: bc.optimizer(bc.CASES[name])) for name in RANKED}
+    specs, compiled = _compiled(setup, {f"{n}/bisection": f for n, f in build.items()}
+                                | {"adam": lambda: optax.adam(1e-3)})
+    more = _compiled(setup, {f"{n}/sort": f for n, f in build.items()},
+                     (slices, "top_k_masks", _sorted_top_k_masks))
+    specs.update(more[0])
+    compiled.update(more[1])
+    return _time(setup, [["adam", f"{n}/bisection", f"{n}/sort"] for n in RANKED],
+                 specs, compiled)
+
+
+EXPERIMENTS = {"gates": gates, "grouping": grouping, "stages": stages, "ranking": ranking}
 
 
 def main(argv=None) -> None:
