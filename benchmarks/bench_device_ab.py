@@ -99,16 +99,22 @@ def _time(setup, groups: list[list[str]], specs: dict, compiled: dict) -> dict:
     return out
 
 
-def gates(setup) -> dict:
-    build = {name: (lambda name=name: bc.optimizer(bc.CASES[name])) for name in GATED}
-    specs, compiled = _compiled(setup, {f"{n}/select": f for n, f in build.items()}
-                                | {"adam": lambda: optax.adam(1e-3)})
-    more = _compiled(setup, {f"{n}/conditional": f for n, f in build.items()},
-                     (stats, "run_or_hold", _conditional_gate))
-    specs.update(more[0])
-    compiled.update(more[1])
-    return _time(setup, [["adam", f"{n}/conditional", f"{n}/select"] for n in GATED],
+def _case_forms(setup, names: list[str], forms: dict) -> dict:
+    """``chain(T, adam)`` of the registry's transforms ``names`` in each of ``forms``
+    (``{form: patch or None}``), each transform's forms timed in one round with adam."""
+    build = {name: (lambda name=name: bc.optimizer(bc.CASES[name])) for name in names}
+    specs, compiled = _compiled(setup, {"adam": lambda: optax.adam(1e-3)})
+    for form, patch in forms.items():
+        more = _compiled(setup, {f"{n}/{form}": f for n, f in build.items()}, patch)
+        specs.update(more[0])
+        compiled.update(more[1])
+    return _time(setup, [["adam", *[f"{n}/{form}" for form in forms]] for n in names],
                  specs, compiled)
+
+
+def gates(setup) -> dict:
+    return _case_forms(setup, GATED, {"conditional": (stats, "run_or_hold", _conditional_gate),
+                                      "select": None})
 
 
 def _norm_forms(setup, forms: dict) -> dict:
@@ -192,15 +198,8 @@ def _sorted_top_k_masks(rows: list, ks: list) -> list:
 
 
 def ranking(setup) -> dict:
-    build = {name: (lambda name=name: bc.optimizer(bc.CASES[name])) for name in RANKED}
-    specs, compiled = _compiled(setup, {f"{n}/bisection": f for n, f in build.items()}
-                                | {"adam": lambda: optax.adam(1e-3)})
-    more = _compiled(setup, {f"{n}/sort": f for n, f in build.items()},
-                     (slices, "top_k_masks", _sorted_top_k_masks))
-    specs.update(more[0])
-    compiled.update(more[1])
-    return _time(setup, [["adam", f"{n}/bisection", f"{n}/sort"] for n in RANKED],
-                 specs, compiled)
+    return _case_forms(setup, RANKED, {"bisection": None,
+                                       "sort": (slices, "top_k_masks", _sorted_top_k_masks)})
 
 
 EXPERIMENTS = {"gates": gates, "grouping": grouping, "stages": stages, "ranking": ranking}
