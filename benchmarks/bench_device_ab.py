@@ -29,11 +29,13 @@ of ``docs/benchmarks.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import sys
 import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -52,13 +54,6 @@ GATED = ["skip_spikes", "clip_norm_by_ema", "clip_value_growth", "stable_adamw_c
          "spam_clip"]
 
 
-def _conditional_gate(ok, run, hold):
-    """``run_or_hold`` as it was before the GPU form: one ``lax.cond`` on every platform."""
-    if isinstance(ok, jax.core.Tracer):
-        return jax.lax.cond(ok, run, hold)
-    return run() if bool(ok) else hold()
-
-
 def _counts(executable) -> dict:
     text = executable.as_text()
     return {"kernels": len(re.findall(r"^\s*\S+ = .*? fusion\(", text, re.M)),
@@ -66,21 +61,22 @@ def _counts(executable) -> dict:
             "conditionals": text.count(" conditional(")}
 
 
-def _compiled(setup, build: dict, patch=None) -> tuple[dict, dict]:
-    """Specs and executables of ``{name: transformation factory}``, traced with ``patch``
-    (``(module, attribute, value)``) in place."""
-    old = None
-    if patch:
-        module, attribute, value = patch
-        old = getattr(module, attribute)
-        setattr(module, attribute, value)
-    try:
-        specs = {name: bd.transform_loop(make(), setup.params, setup.grads)
-                 for name, make in build.items()}
-        return specs, bd.compile_loops(specs, setup.args.steps, setup.args.workers)
-    finally:
-        if patch:
-            setattr(module, attribute, old)
+def _compiled(setup, base: dict, build: dict, forms: dict) -> tuple[dict, dict]:
+    """Loop specs and executables of ``base`` (``{name: transformation factory}``) and of
+    ``build`` in each of ``forms`` (``{form: (module, attribute, value) or None}``, named
+    ``name/form``), each form traced with its attribute replaced."""
+    def loops(build, patch):
+        with mock.patch.object(*patch) if patch else contextlib.nullcontext():
+            specs = {name: bd.transform_loop(make(), setup.params, setup.grads)
+                     for name, make in build.items()}
+            return specs, bd.compile_loops(specs, setup.args.steps, setup.args.workers)
+
+    specs, compiled = loops(base, None)
+    for form, patch in forms.items():
+        more = loops({f"{n}/{form}": f for n, f in build.items()}, patch)
+        specs.update(more[0])
+        compiled.update(more[1])
+    return specs, compiled
 
 
 def _time(setup, groups: list[list[str]], specs: dict, compiled: dict) -> dict:
@@ -91,10 +87,11 @@ def _time(setup, groups: list[list[str]], specs: dict, compiled: dict) -> dict:
                                  setup.args.steps, compiled[name]) for name in group}
         seconds = bd.interleaved(loops, setup.args.rounds)
         for name in group:
+            counts = _counts(compiled[name][0])
             out[name] = {"ms": seconds[name] * 1e3, "over_first": seconds[name] / seconds[group[0]],
-                         **_counts(compiled[name][0])}
+                         **counts}
             print(f"{name:36s} {seconds[name] * 1e3:8.3f} ms  x {group[0]} "
-                  f"{out[name]['over_first']:.3f}  {_counts(compiled[name][0])}", flush=True)
+                  f"{out[name]['over_first']:.3f}  {counts}", flush=True)
         del loops
     return out
 
@@ -103,17 +100,15 @@ def _case_forms(setup, names: list[str], forms: dict) -> dict:
     """``chain(T, adam)`` of the registry's transforms ``names`` in each of ``forms``
     (``{form: patch or None}``), each transform's forms timed in one round with adam."""
     build = {name: (lambda name=name: bc.optimizer(bc.CASES[name])) for name in names}
-    specs, compiled = _compiled(setup, {"adam": lambda: optax.adam(1e-3)})
-    for form, patch in forms.items():
-        more = _compiled(setup, {f"{n}/{form}": f for n, f in build.items()}, patch)
-        specs.update(more[0])
-        compiled.update(more[1])
+    specs, compiled = _compiled(setup, {"adam": lambda: optax.adam(1e-3)}, build, forms)
     return _time(setup, [["adam", *[f"{n}/{form}" for form in forms]] for n in names],
                  specs, compiled)
 
 
 def gates(setup) -> dict:
-    return _case_forms(setup, GATED, {"conditional": (stats, "run_or_hold", _conditional_gate),
+    # The conditional form: run_or_hold before the GPU form, one lax.cond (inside the jitted
+    # loop its predicate is always traced).
+    return _case_forms(setup, GATED, {"conditional": (stats, "run_or_hold", jax.lax.cond),
                                       "select": None})
 
 
@@ -130,11 +125,8 @@ def _norm_forms(setup, forms: dict) -> dict:
     specs, compiled = _compiled(setup, {
         "adam": lambda: optax.adam(1e-3),
         "optax.clip_by_global_norm": lambda: optax.clip_by_global_norm(1.0),
-        "chain(optax.clip_by_global_norm, adam)": chain(lambda: optax.clip_by_global_norm(1.0))})
-    for form, patch in forms.items():
-        more = _compiled(setup, {f"{n}/{form}": f for n, f in build.items()}, patch)
-        specs.update(more[0])
-        compiled.update(more[1])
+        "chain(optax.clip_by_global_norm, adam)": chain(lambda: optax.clip_by_global_norm(1.0))},
+        build, forms)
     return _time(setup, [["optax.clip_by_global_norm",
                           *[f"clip_by_global_norm/{form}" for form in forms]],
                          ["adam", "chain(optax.clip_by_global_norm, adam)",

@@ -205,12 +205,12 @@ def clip_value_growth(
         else:
             # One gate (lax.cond; a select on a GPU) on the step's finiteness writes every
             # reference (a held step hands the old ones back untouched). The outputs leave
-            # through it: they are
-            # computed where the reference is read, before it is written over, and the
-            # optimizer after this transform reads them instead of computing them again from
-            # the update and the old reference (XLA would then copy both first, to write the
-            # new reference over the donated buffer). Both read the leaf's flag, so the
-            # reductions over the update and the old reference come before them too.
+            # through it: they are computed where the reference is read, before it is written
+            # over, and the optimizer after this transform reads them instead of computing
+            # them again from the update and the old reference (XLA would then copy both
+            # first, to write the new reference over the donated buffer). Both read the leaf's
+            # flag, so the reductions over the update and the old reference come before them
+            # too.
             def run():
                 stepped = [step(i) for i in floats]
                 return [o for o, _ in stepped], [n for _, n in stepped]

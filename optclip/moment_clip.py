@@ -203,13 +203,12 @@ def _gated_step(inner, finite, updates, inner_state, params, extra_args, prepare
     NaN updates (``optax.apply_if_finite`` drops them) and ``inner_state`` as it was.
 
     One ``lax.cond`` (:func:`optclip._core.stats.run_or_hold`; a select on a GPU), no pass
-    over the moments. The
-    held branch hands its operands back unchanged: XLA then keeps every output in the buffer of
-    the operand it replaces (with donated buffers, a branch that builds new arrays makes XLA
-    copy outputs after the cond). The NaN updates come from a select after the cond, or, with
-    ``held_nan``, from ``updates`` themselves (the caller wrote them NaN on a held step in a pass
-    it makes anyway). The held branch takes its output types from the traced update when that
-    was traced first (the wrapped optimizer is traced once).
+    over the moments. The held branch hands its operands back unchanged: XLA then keeps every
+    output in the buffer of the operand it replaces (with donated buffers, a branch that
+    builds new arrays makes XLA copy outputs after the cond). The NaN updates come from a
+    select after the cond, or, with ``held_nan``, from ``updates`` themselves (the caller wrote
+    them NaN on a held step in a pass it makes anyway). The held branch takes its output types
+    from the traced update when that was traced first (the wrapped optimizer is traced once).
     """
     traced = []
 
