@@ -9,7 +9,9 @@ whatever device JAX uses:
    float32 parameters in 148 leaves, buffers donated), and the same inside ``chain(clip, adam)``;
    and the compile ratio of each inside ``chain(clip, adam)`` at every leaf count: the
    streaming baseline's is that of the simplest reduction a transform can add.
-2. For every public transform, in a default construction as a new user would write it:
+2. For every public transform, in a default construction as a new user would write it, in the
+   step where its docs place it (``chain(T, adam)`` below; a projection runs after adam,
+   Frank-Wolfe alone, since it replaces the optimizer, a wrapper of adam as itself):
 
    * compile ratio: ``jit(chain(T, adam).update)`` lowered and compiled (up to 256 leaves the
      fastest of two compiles from empty caches), over ``adam`` alone compiled right before it,
@@ -22,7 +24,8 @@ whatever device JAX uses:
      chain alternate);
    * floor: the memory-traffic floor of that ratio. ``adam`` moves 6 buffers the size of the
      parameters per step (reads g, m, v; writes m, v, u); a transform adds the extra passes it
-     cannot fuse away (a norm needs one more read of g, a projection reads the parameters) plus
+     cannot fuse away (a norm needs one more read of g, a projection after adam reads the
+     parameters and the update for its statistic and the parameters for its output) plus
      one read and one write of each per-element state buffer: ``1 + (passes + 2 * state) / 6``;
    * state: bytes of the transform's state per parameter byte.
 
@@ -34,6 +37,7 @@ without measuring anything.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -54,6 +58,7 @@ from optclip._core import slices
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from tests import hlo  # noqa: E402 (the test suite's measure, shared)
+from tests.registry import PLACEMENT, placed  # noqa: E402 (the steps the suite measures)
 
 ADAM_PASSES = 6
 COMPILE_SHAPES = hlo.SMALL_SHAPES
@@ -66,6 +71,7 @@ class Case:
     construction: str          # the expression, evaluated with ``optclip`` in scope
     passes: int                # extra passes over a parameter-sized buffer (besides state)
     note: str
+    placement: str = "before"  # where the step runs it (tests/registry.py: PLACEMENT)
 
 
 CASES: dict[str, Case] = {
@@ -93,18 +99,25 @@ CASES: dict[str, Case] = {
     "l1q_normalize": Case("optclip.l1q_normalize(q=0.3)", 1,
                           "per-row bisection on the bits of |g| (31 rounds), by blocks of rows"),
     "clamp": Case("optclip.clamp(-1.0, 1.0)", 0, "elementwise"),
+    # Projections run after adam (chain(adam, T)): a statistic of x = params + u reads the
+    # params and adam's update (from both moments), and the output reads the params again.
     "project_l2_ball": Case("optclip.project_l2_ball(epsilon=1.0)", 4,
-                            "reads params twice and u again (per-row norm of params + u)"),
-    "project_linf_ball": Case("optclip.project_linf_ball(epsilon=1.0)", 1, "reads params"),
-    "clamp_params": Case("optclip.clamp_params(-1.0, 1.0)", 1, "reads params"),
-    "frank_wolfe": Case("optclip.frank_wolfe()", 1, "reads params"),
-    "l1_frank_wolfe": Case("optclip.l1_frank_wolfe(epsilon=1.0)", 2,
-                           "per-row argmax; reads params"),
-    "l2_frank_wolfe": Case("optclip.l2_frank_wolfe(epsilon=1.0)", 2,
-                           "per-row norm; reads params"),
-    "linf_frank_wolfe": Case("optclip.linf_frank_wolfe(epsilon=1.0)", 1, "reads params"),
-    "l1q_frank_wolfe": Case("optclip.l1q_frank_wolfe(q=0.3, epsilon=1.0)", 2,
-                            "per-row bisection; reads params"),
+                            "after adam; per-row norm of params + u, then params again"),
+    "project_linf_ball": Case("optclip.project_linf_ball(epsilon=1.0)", 4,
+                              "after adam; projected flag of params + u, then params again"),
+    "clamp_params": Case("optclip.clamp_params(-1.0, 1.0)", 4,
+                         "after adam; projected flag of params + u, then params again"),
+    # Frank-Wolfe replaces adam (T alone): it reads g for its statistic (the finiteness at
+    # least), then g and the params, and writes the update: 4 buffers against adam's 6.
+    "frank_wolfe": Case("optclip.frank_wolfe()", -2, "replaces adam; reads params"),
+    "l1_frank_wolfe": Case("optclip.l1_frank_wolfe(epsilon=1.0)", -2,
+                           "replaces adam; per-row argmax; reads params"),
+    "l2_frank_wolfe": Case("optclip.l2_frank_wolfe(epsilon=1.0)", -2,
+                           "replaces adam; per-row norm; reads params"),
+    "linf_frank_wolfe": Case("optclip.linf_frank_wolfe(epsilon=1.0)", -2,
+                             "replaces adam; reads params"),
+    "l1q_frank_wolfe": Case("optclip.l1q_frank_wolfe(q=0.3, epsilon=1.0)", -2,
+                            "replaces adam; per-row bisection; reads params"),
     "adaptive_grad_clip": Case("optclip.adaptive_grad_clip(0.01)", 2,
                                "per-unit norms of g and params"),
     "adagc": Case("optclip.adagc()", 1, "per-leaf norms"),
@@ -118,6 +131,8 @@ CASES: dict[str, Case] = {
     "stable_adamw_clip": Case("optclip.stable_adamw_clip(adam)", 2,
                               "per-leaf RMS(g^2/nu): reads g and nu; wraps adam"),
 }
+CASES = {name: dataclasses.replace(case, placement=PLACEMENT.get(name, "before"))
+         for name, case in CASES.items()}
 # A quicker subset for the largest leaf count (--big-only with no names): one per family of
 # per-leaf machinery (grouped reductions, per-leaf decisions on vectors).
 BIG_ONLY = ("clip_value", "clip_norm", "clip_by_global_norm", "clip_norm_by_ema",
@@ -129,12 +144,14 @@ def make(case: Case) -> optax.GradientTransformation:
 
 
 def optimizer(case: Case) -> optax.GradientTransformation:
-    """``chain(T, adam)``; for a transform that wraps adam (its construction names ``adam``),
-    the wrapped adam itself."""
+    """The step a user runs: ``chain(T, adam)``, a projection after adam (``chain(adam, T)``),
+    Frank-Wolfe alone (it replaces the optimizer), as the test suite measures them
+    (``tests/registry.py``: ``PLACEMENT``); for a transform that wraps adam (its construction
+    names ``adam``), the wrapped adam itself."""
     adam = optax.adam(1e-3)
     if re.search(r"\badam\b", case.construction):
         return eval(case.construction, {"optclip": optclip, "adam": adam})  # noqa: S307
-    return optax.chain(make(case), adam)
+    return placed(case.placement, make(case), adam)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,6 +283,16 @@ def with_kernels(results: dict) -> dict:
     return results
 
 
+def own_state_per_param_byte(case: Case, params, adam_state: float | None = None) -> float:
+    """The transform's own state per parameter byte: that of its step less adam's (Frank-Wolfe,
+    which replaces adam, holds the whole state of its step). ``adam_state``: adam's, if known."""
+    whole = state_per_param_byte(optimizer(case), params)
+    if case.placement == "alone":
+        return whole
+    return whole - (state_per_param_byte(optax.adam(1e-3), params) if adam_state is None
+                    else adam_state)
+
+
 def floor_passes(case: Case, state_ratio: float) -> int:
     """The passes beyond adam's that the transform cannot avoid."""
     return case.passes + 2 * round(state_ratio)
@@ -342,9 +369,7 @@ def measure_transform(name: str, case: Case, args, params, grads, adam: Stepper)
         row["compile"][str(leaves)] = chained / base
         row["compile_s"][str(leaves)] = chained
         row["adam_compile_s"][str(leaves)] = base
-    # The transform's own state: that of the whole optimizer less adam's.
-    state_ratio = (state_per_param_byte(optimizer(case), params)
-                   - state_per_param_byte(optax.adam(1e-3), params))
+    state_ratio = own_state_per_param_byte(case, params)
     row["state_bytes_per_param_byte"] = state_ratio
     row["floor"] = floor(case, state_ratio)
     row["passes"] = extra_passes(case)
@@ -482,6 +507,13 @@ def render_markdown(results: dict, device: dict | None = None) -> str:
     lines += [
         "## Every transform",
         "",
+        "* **the step**: where the transform's docs place it, written `chain(T, adam)` below:",
+        "  `optax.chain(T, adam)` for the clippers and normalizers; `optax.chain(adam, T)` for",
+        "  the projections (`project_l2_ball`, `project_linf_ball`, `clamp_params`), which",
+        "  project the updated parameters and go last; `T` alone for Frank-Wolfe, which",
+        "  replaces the optimizer (its ratios are against adam's step, and its floor is below",
+        "  1); and for a wrapper of adam, the wrapper. The test suite measures the same steps",
+        "  (`tests/registry.py`: `PLACEMENT`).",
         "* **compile ×adam @N**: lowering plus XLA compile time of "
         "`jax.jit(optax.chain(T, optax.adam(1e-3)).update)` over `optax.adam(1e-3)`'s (up to",
         f"  {c['all_up_to']} leaves each the fastest of two compiles from empty caches), on N",
@@ -504,13 +536,19 @@ def render_markdown(results: dict, device: dict | None = None) -> str:
         "* **floor**: the memory-traffic floor of that ratio. `adam` moves 6 parameter-sized",
         "  buffers per step (reads the gradient and both moments, writes both moments and the",
         "  update); the floor adds the passes a transform cannot fuse away (a norm reads the",
-        "  gradient once more, a projection reads the parameters) and one read and one write of",
-        "  every per-element state buffer: `1 + (passes + 2 × state) / 6`. An elementwise",
-        "  transform fuses into adam's pass (floor 1.00); one float32 buffer of state adds 0.33.",
+        "  gradient once more; a projection after adam reads the parameters and adam's update,",
+        "  from both moments, for its statistic, and the parameters again for its output: 4)",
+        "  and one read and one write of every per-element state buffer:",
+        "  `1 + (passes + 2 × state) / 6`. An elementwise transform fuses into adam's pass",
+        "  (floor 1.00); one float32 buffer of state adds 0.33. Frank-Wolfe alone reads the",
+        "  gradient for its statistic, then the gradient and the parameters, and writes the",
+        "  update: 4 buffers against adam's 6 (passes -2, floor 0.67).",
         "* **passes (floor)**: parameter-sized buffers the step of `chain(T, adam)` reads and",
         "  writes beyond adam's own 9 (adam writes both moments and reads them again for the",
-        "  update), counted exactly in the optimized HLO on two (256, 512) leaves (per leaf:",
-        "  a constant XLA shares between same-shape leaves and writes out counts); in brackets the",
+        "  update; a Frank-Wolfe step moves fewer: -5 (-2) is its 4 passes against adam's 9,",
+        "  and its floor of 4 against adam's 6), counted exactly in",
+        "  the optimized HLO on two (256, 512) leaves (per leaf: a constant XLA shares between",
+        "  same-shape leaves and writes out counts); in brackets the",
         "  passes the transform cannot avoid (as in the floor). A conditional that returns",
         "  parameter-sized arrays (a wrapper's run-or-hold gate) counts its dearer branch; one",
         "  that returns small values (the rescaled re-read of a scale-safe norm, taken only when",

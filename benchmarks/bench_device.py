@@ -217,7 +217,7 @@ def step_rows(params, grads, args, names, out_path, results) -> None:
             break
         start = time.perf_counter()
         case = bc.CASES[name]
-        state_ratio = bc.state_per_param_byte(txs[name], params) - adam_state
+        state_ratio = bc.own_state_per_param_byte(case, params, adam_state)
         body, carry, loop_args = specs[name]
         chain = Looped(body, carry(), loop_args, args.steps, compiled.pop(name))
         seconds = interleaved({"adam": adam, "chain": chain}, args.rounds)

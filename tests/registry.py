@@ -382,9 +382,29 @@ WRAPPED = {"skip_spikes": lambda: optax.adam(1e-2), "spam_clip": lambda: optax.a
            "stable_adamw_clip": lambda: optax.adam(1e-2)}
 
 
+# Where a transform goes in a step, as its docs place it, when that is not before the inner
+# optimizer: a projection of the updated parameters goes after adam, and Frank-Wolfe replaces
+# the optimizer (its step is the whole update). Costs are measured where users put them.
+PLACEMENT = {"project_l2_ball": "after", "project_linf_ball": "after", "clamp_params": "after",
+             **{name: "alone" for name in ("frank_wolfe", "l1_frank_wolfe", "l2_frank_wolfe",
+                                           "linf_frank_wolfe", "l1q_frank_wolfe")}}
+
+
+def placed(where: str, tx: optax.GradientTransformation, adam: optax.GradientTransformation
+           ) -> optax.GradientTransformation:
+    """The step that runs ``tx`` with ``adam`` where its docs place it (``where``, a value of
+    :data:`PLACEMENT`, or ``'before'``): ``chain(tx, adam)``, ``chain(adam, tx)``, or ``tx``
+    alone."""
+    if where == "after":
+        return optax.chain(adam, tx)
+    return tx if where == "alone" else optax.chain(tx, adam)
+
+
 def with_adam(entry: Entry) -> tuple[optax.GradientTransformation, optax.GradientTransformation]:
     """The optimizer a step of ``entry`` runs, and the one its cost is measured against:
-    ``chain(T, adam)`` and ``adam``, or a wrapper of adam (``WRAPPED``) and the adam it wraps."""
+    ``chain(T, adam)`` and ``adam`` (a projection after adam, Frank-Wolfe alone:
+    :data:`PLACEMENT`), or a wrapper of adam (``WRAPPED``) and the adam it wraps."""
     if entry.name in WRAPPED:
         return entry.make(), WRAPPED[entry.name]()
-    return optax.chain(entry.make(), optax.adam(1e-3)), optax.adam(1e-3)
+    return (placed(PLACEMENT.get(entry.name, "before"), entry.make(), optax.adam(1e-3)),
+            optax.adam(1e-3))
