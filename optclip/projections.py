@@ -218,7 +218,8 @@ def _box_projection(name: str, state_cls: type, bounds, axis_name: norms.AxisNam
     """``clip(x, low, high)`` with ``bounds(count) -> (low, high)`` (``None``: unbounded)."""
 
     def measure(build, at):
-        moved, finite = slices.excess_flags(jax.tree.leaves(build(True)), *at, axis_name)
+        moved, finite = slices.excess_flags(jax.tree.leaves(build(True)), *at, axis_name,
+                                            computed=True)
         return (moved,), [finite], None
 
     def apply(targets, at, measured):

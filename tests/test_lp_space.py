@@ -680,6 +680,57 @@ def test_projection_and_frank_wolfe_match_numpy_oracle(shape, param_ndim):
                                    err_msg=name)
 
 
+# A leaf large enough (more than norms.GROUP_MAX_ELEMENTS, two axes) that the box projections
+# reduce it row by row (slices.excesses(computed=True)), and a small one reduced whole.
+BIG_SHAPE = (300, 256)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=str)
+def test_box_projections_flag_large_leaves_row_by_row(dtype):
+    """The projected flags and the finiteness of a step, against NumPy, where the large leaf's
+    statistic is taken row by row: an element outside a bound in the last row, one exactly
+    on the bound, a one-sided bound, a NaN and an infinity (held steps counted)."""
+    assert math.prod(BIG_SHAPE) > norms_lib.GROUP_MAX_ELEMENTS
+    p = {"big": rng_array(BIG_SHAPE, 1) * 0.1, "small": rng_array((4, 8), 2) * 0.1}
+    base = {"big": rng_array(BIG_SHAPE, 3) * 0.1, "small": rng_array((4, 8), 4) * 0.1}
+    for tx, low, high in [(optclip.clamp_params(-1.0, 1.0), -1.0, 1.0),
+                          (optclip.project_linf_ball(0.75), -0.75, 0.75),
+                          (optclip.clamp_params(None, 1.0), None, 1.0)]:
+        update = jax.jit(tx.update)
+        state = tx.init({k: arr(v, dtype) for k, v in p.items()})
+        nonfinite = 0
+        for where, value in [(None, 0.0), ((-1, -1), 5.0), ((-1, 3), -5.0), ((7, 0), 1.0),
+                             ((0, 0), np.nan), ((-1, -1), np.inf)]:
+            u = {k: v.copy() for k, v in base.items()}
+            if where is not None:
+                u["big"][where] = value - p["big"][where]
+            params = {k: arr(v, dtype) for k, v in p.items()}
+            grads = {k: arr(v, dtype) for k, v in u.items()}
+            _, state = update(grads, state, params)
+            x = {k: np.asarray(params[k], np.float64) + np.asarray(grads[k], np.float64)
+                 for k in p}
+            if not np.isfinite(x["big"]).all():
+                nonfinite += 1
+                assert int(state.nonfinite) == nonfinite, (low, high, where)
+                continue
+            want = [bool(((x[k] > high) | ((x[k] < low) if low is not None else False)).any())
+                    for k in ("big", "small")]
+            assert np.asarray(state.projected).tolist() == want, (low, high, where, value)
+
+
+def test_excesses_row_by_row_agree_with_the_whole_reduction():
+    """Both forms of slices.excesses: positive on the same arrays, NaN on the same."""
+    x = rng_array(BIG_SHAPE, 5)
+    cases = [x, np.clip(x, -1, 1), np.where(np.arange(x.size).reshape(x.shape) == 9999, np.nan, x),
+             np.where(np.arange(x.size).reshape(x.shape) == 5, -np.inf, np.clip(x, -1, 1))]
+    for a in cases:
+        for low, high in [(-1.0, 1.0), (None, 1.0), (-1.0, None), (-1.5, -1.5)]:
+            whole, rows = (float(slices_lib.excesses([arr(a)], low, high, computed=c)[0])
+                           for c in (False, True))
+            assert np.isnan(whole) == np.isnan(rows), (low, high)
+            assert (whole > 0) == (rows > 0), (low, high, whole, rows)
+
+
 def test_float64_matches_oracle_under_x64():
     with jax.enable_x64(True):
         g = rng_array((3, 4), 11)

@@ -75,14 +75,17 @@ BUDGET = {
     "top_q": 98,
     "l1q_normalize": 101,
     "l1q_frank_wolfe": 93,          # alone (replaces adam, as the Frank-Wolfe rows below)
-    # Projections, after adam as users place them: the projected flag and the finiteness are a
-    # reduction over params + u, u being adam's update, which XLA:CPU writes out (with the
-    # learning rate applied, a second time, for XNNPACK's reduction) before reading it with
-    # the params; the output reads u and the params again. Floor 4: the reduction could
-    # recompute u from the moments (3 reads), the output reads the params (1).
+    # Projections, after adam as users place them: the statistic is a reduction over
+    # params + u, u being adam's update. Floor 4: the reduction could recompute u from the
+    # moments (3 reads), the output reads the params (1). The box projections reduce their
+    # large leaves row by row (slices.excesses(computed=True)): adam's update before its
+    # learning rate is written out once (its divide is not recomputed), and the reduction and
+    # the output each read it with the params. The slice norms of project_l2_ball go through
+    # XNNPACK's reduction, which has the update written out a second time, with the learning
+    # rate applied.
     "project_l2_ball": 7,
-    "project_linf_ball": 7,
-    "clamp_params": 7,
+    "project_linf_ball": 5,
+    "clamp_params": 5,
     # Frank-Wolfe replaces adam: its whole step against adam's 9 (it reads g for the
     # finiteness or the per-row statistic, then g and the params, and writes the update: 4).
     "frank_wolfe": -5,

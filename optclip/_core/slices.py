@@ -846,7 +846,8 @@ def clamped_leaves(tree: Any, low: Any, high: Any, axis_name: norms.AxisName
     return norms.float_map(lambda x: clip(x, low, high), tree), moved, finite
 
 
-def excesses(arrays: list[jax.Array], low: Any, high: Any) -> list[jax.Array]:
+def excesses(arrays: list[jax.Array], low: Any, high: Any, computed: bool = False
+             ) -> list[jax.Array]:
     """Per array, ``Σ (max(x - high, 0) + max(low - x, 0) + (x - x))`` in the wide dtype
     (``None``: no bound): positive (``inf`` included) exactly when some element lies outside
     ``[low, high]``, NaN exactly when some element is NaN or infinite. One reduction of
@@ -854,21 +855,48 @@ def excesses(arrays: list[jax.Array], low: Any, high: Any) -> list[jax.Array]:
     out first); small arrays of one shape share it (``norms.leaf_reductions``: one kernel for
     them all, where a reduction per array costs XLA:CPU up to three, its input written out and
     the sum split in two). Under flush-to-zero, a difference from a bound below ``2**-126``
-    counts as none, as it does for the clamp itself."""
-    return norms.leaf_reductions(arrays, lambda x: _excess_terms(x, low, high))
+    counts as none, as it does for the clamp itself.
+
+    ``computed``: the arrays are computed in the step from a value another kernel reads too (a
+    projection's ``params + u``, ``u`` the update of the optimizer before it). XLA:CPU's
+    XNNPACK reduction takes in only operations no other kernel reads, so it would have ``u``
+    written out first and read back (a temporary the size of the leaf, every step); a large
+    array of two or more axes is then reduced row by row instead, the excess and the NaN
+    marks side by side (a variadic reduce: XLA:CPU's own loop, with the computation of ``u``
+    fused in), and the rows summed. On raw inputs XNNPACK's reduction is the faster one.
+    """
+    if not computed:
+        return norms.leaf_reductions(arrays, lambda x: _excess_terms(x, low, high))
+    by_rows = [x.ndim >= 2 and x.size > norms.GROUP_MAX_ELEMENTS for x in arrays]
+    rest = iter(excesses([x for x, r in zip(arrays, by_rows) if not r], low, high))
+    return [_row_excess(x, low, high) if r else next(rest) for x, r in zip(arrays, by_rows)]
 
 
-def excess_flags(leaves: list, low: Any, high: Any, axis_name: norms.AxisName
-                 ) -> tuple[jax.Array, jax.Array]:
-    """From one :func:`excesses` sum per float leaf of ``leaves``: one bool per float leaf, in
-    leaf order, whether any element lies outside ``[low, high]`` on any device along
-    ``axis_name`` (meaningful on a finite step only), and whether every float element on this
-    device is finite. Both are read off one vector of the sums (a comparison per leaf would
-    cost a kernel per leaf)."""
+def _row_excess(x: jax.Array, low: Any, high: Any) -> jax.Array:
+    """:func:`excesses` of one array, reduced over its last axis first (see there)."""
+    wide = x.astype(norms.acc_dtype(x.dtype))
+    excess = jnp.zeros((), wide.dtype)
+    for bound, above in ((high, True), (low, False)):
+        if bound is not None:
+            b = jnp.asarray(bound).astype(wide.dtype)
+            excess = excess + jnp.maximum(wide - b if above else b - wide, 0)
+    zero = jnp.zeros((), wide.dtype)
+    rows = jax.lax.reduce((jnp.broadcast_to(excess, wide.shape), stats.nan_marks(wide)),
+                          (zero, zero), norms._add_pairs, (wide.ndim - 1,))
+    return jnp.sum(rows[0]) + jnp.sum(rows[1])
+
+
+def excess_flags(leaves: list, low: Any, high: Any, axis_name: norms.AxisName,
+                 computed: bool = False) -> tuple[jax.Array, jax.Array]:
+    """From one :func:`excesses` sum per float leaf of ``leaves`` (``computed``: as there): one
+    bool per float leaf, in leaf order, whether any element lies outside ``[low, high]`` on any
+    device along ``axis_name`` (meaningful on a finite step only), and whether every float
+    element on this device is finite. Both are read off one vector of the sums (a comparison
+    per leaf would cost a kernel per leaf)."""
     floats = [x for x in leaves if norms.is_float(x)]
     if not floats:
         return jnp.zeros((0,), bool), jnp.asarray(True)
-    sums = norms.gather_scalars(excesses(floats, low, high))
+    sums = norms.gather_scalars(excesses(floats, low, high, computed))
     return norms.any_true(sums != 0, axis_name), jnp.all(~jnp.isnan(sums))
 
 
