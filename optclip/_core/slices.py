@@ -875,12 +875,9 @@ def excesses(arrays: list[jax.Array], low: Any, high: Any, computed: bool = Fals
 def _row_excess(x: jax.Array, low: Any, high: Any) -> jax.Array:
     """:func:`excesses` of one array, reduced over its last axis first (see there)."""
     wide = x.astype(norms.acc_dtype(x.dtype))
-    excess = jnp.zeros((), wide.dtype)
-    for bound, above in ((high, True), (low, False)):
-        if bound is not None:
-            b = jnp.asarray(bound).astype(wide.dtype)
-            excess = excess + jnp.maximum(wide - b if above else b - wide, 0)
     zero = jnp.zeros((), wide.dtype)
+    low, high = (None if b is None else jnp.asarray(b).astype(wide.dtype) for b in (low, high))
+    excess = _plus_excess(zero, wide, low, high, zero)
     rows = jax.lax.reduce((jnp.broadcast_to(excess, wide.shape), stats.nan_marks(wide)),
                           (zero, zero), norms._add_pairs, (wide.ndim - 1,))
     return jnp.sum(rows[0]) + jnp.sum(rows[1])
@@ -905,12 +902,18 @@ def _excess_terms(x: jax.Array, low: Any, high: Any) -> jax.Array:
     # The bounds and the zero pass through a barrier with the leaf (norms.apart).
     bounds = [None if b is None else jnp.asarray(b).astype(x.dtype) for b in (low, high)]
     x, (low, high), zero = norms.apart(x, bounds, jnp.zeros((), x.dtype))
-    terms = stats.nan_marks(x)
+    return _plus_excess(stats.nan_marks(x), x, low, high, zero).astype(norms.acc_dtype(x.dtype))
+
+
+def _plus_excess(terms: jax.Array, x: jax.Array, low: Any, high: Any, zero: jax.Array
+                 ) -> jax.Array:
+    """``terms + max(x - high, 0) + max(low - x, 0)`` with the bounds in ``x``'s dtype
+    (``None``: no bound): how far each element lies outside ``[low, high]``."""
     if high is not None:
         terms = terms + jnp.maximum(x - high, zero)
     if low is not None:
         terms = terms + jnp.maximum(low - x, zero)
-    return terms.astype(norms.acc_dtype(x.dtype))
+    return terms
 
 
 def clip(x: jax.Array, low: Any, high: Any) -> jax.Array:
