@@ -55,7 +55,8 @@ def _l1_lmo(g: jax.Array, axes: tuple[int, ...], split: tuple[str, ...], first: 
     """
     if first is not None:
         rows = slices.slice_rows(g, axes)
-        index = jax.lax.broadcasted_iota(jnp.int32, rows.shape, rows.ndim - 1)
+        index = jax.lax.broadcasted_iota(jnp.int32, rows.shape, rows.ndim - 1,
+                                         out_sharding=jax.typeof(rows).sharding)
         return jnp.where(slices.slice_mask(index == first, g), slices.sign(g),
                          jnp.zeros_like(g))
     if axes_lib.slice_size(g.shape, axes) * norms.axes_size(split) <= 1:
@@ -73,7 +74,10 @@ def _first_largest(rows: jax.Array) -> tuple[jax.Array, jax.Array]:
     bits = slices.magnitude_bits(rows)
     # The index type of jnp.argmax (64 bits under jax_enable_x64): the same kernels.
     kind = jax.dtypes.canonicalize_dtype(jnp.int64)
-    index = jax.lax.broadcasted_iota(kind, bits.shape, bits.ndim - 1)
+    # The indices sharded as the rows (under an explicit mesh): with a replicated operand
+    # beside a sharded one, XLA's partitioner gathers the reduction's per-row results.
+    index = jax.lax.broadcasted_iota(kind, bits.shape, bits.ndim - 1,
+                                     out_sharding=jax.typeof(bits).sharding)
     low = jnp.asarray(jnp.iinfo(bits.dtype).min, bits.dtype)
     peak, first = jax.lax.reduce((bits, index), (low, jnp.zeros((), kind)), _first_max,
                                  (bits.ndim - 1,))

@@ -230,6 +230,34 @@ def test_sharded_run_matches_unsharded(entry, layout, axis_type):
     assert _specs(init_state) == _specs(sharded_state)
 
 
+# The transforms that rank the entries of a slice: a slice split across devices is gathered
+# whole for the ranking under jit (docs/sharding.md; inside shard_map only counts cross).
+RANKS_SLICES = {"top_q", "l1q_normalize", "l1q_frank_wolfe", "l1_frank_wolfe"}
+
+
+@entries
+def test_sharded_step_gathers_nothing(entry):
+    """No leaf is gathered: the step where the docs place the transform (``with_adam``), on a
+    2-D mesh (FSDP by rows, tensor parallel by columns) and leaves past every size limit of
+    the single-device paths, compiles to collectives of statistics only. A ranking transform
+    needs whole slices: its leaf is split by rows only, and nothing is gathered either."""
+    if jax.device_count() < 8:
+        pytest.fail("the sharding check needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+    mesh = jax.make_mesh((2, 4), ("d", "m"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    columns = None if entry.name in RANKS_SLICES else "m"
+    specs = {"w": PartitionSpec("d", columns), "b": PartitionSpec(columns)}
+    tx = with_adam(entry)[0]
+    with jax.set_mesh(mesh):
+        tree = {name: jax.ShapeDtypeStruct(shape, jnp.float32,
+                                           sharding=NamedSharding(mesh, specs[name]))
+                for name, shape in (("w", (512, 256)), ("b", (256,)))}
+        hlo = jax.jit(tx.update).lower(tree, jax.eval_shape(tx.init, tree), tree).compile()
+    moved = [line.split("=", 1)[1].strip()[:80] for line in hlo.as_text().splitlines()
+             if any(f" {op}(" in line or f" {op}-start(" in line
+                    for op in ("all-gather", "all-to-all", "collective-permute"))]
+    assert moved == [], moved
+
+
 @entries
 def test_vmap_per_example_inside_scan_matches_the_loop(entry):
     """Convention 1: per-example use under ``jax.vmap``, steps under ``jax.lax.scan``."""

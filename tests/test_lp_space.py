@@ -685,8 +685,15 @@ def test_projection_and_frank_wolfe_match_numpy_oracle(shape, param_ndim):
 BIG_SHAPE = (300, 256)
 
 
+@pytest.fixture
+def one_device(monkeypatch):
+    """The paths of a single visible device (this suite sees 8 CPU devices): a projection's
+    large leaves are reduced by a variadic reduce (norms._may_group)."""
+    monkeypatch.setattr(norms_lib, "_may_group", lambda: True)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=str)
-def test_box_projections_flag_large_leaves_row_by_row(dtype):
+def test_box_projections_flag_large_leaves_row_by_row(dtype, one_device):
     """The projected flags and the finiteness of a step, against NumPy, where the large leaf's
     statistic is taken row by row: an element outside a bound in the last row, one exactly
     on the bound, a one-sided bound, a NaN and an infinity (held steps counted)."""
@@ -718,7 +725,7 @@ def test_box_projections_flag_large_leaves_row_by_row(dtype):
             assert np.asarray(state.projected).tolist() == want, (low, high, where, value)
 
 
-def test_excesses_row_by_row_agree_with_the_whole_reduction():
+def test_excesses_row_by_row_agree_with_the_whole_reduction(one_device):
     """Both forms of slices.excesses: positive on the same arrays, NaN on the same."""
     x = rng_array(BIG_SHAPE, 5)
     cases = [x, np.clip(x, -1, 1), np.where(np.arange(x.size).reshape(x.shape) == 9999, np.nan, x),

@@ -863,9 +863,12 @@ def excesses(arrays: list[jax.Array], low: Any, high: Any, computed: bool = Fals
     written out first and read back (a temporary the size of the leaf, every step); a large
     array of two or more axes is then reduced row by row instead, the excess and the NaN
     marks side by side (a variadic reduce: XLA:CPU's own loop, with the computation of ``u``
-    fused in), and the rows summed. On raw inputs XNNPACK's reduction is the faster one.
+    fused in), and the rows summed. On raw inputs XNNPACK's reduction is the faster one. Only
+    where a single device is visible: XLA's SPMD partitioner gathers the operands of a variadic
+    reduce over a sharded axis (a leaf split by columns would have its rows' partial sums
+    gathered instead of one scalar added across devices).
     """
-    if not computed:
+    if not computed or not norms._may_group():
         return norms.leaf_reductions(arrays, lambda x: _excess_terms(x, low, high))
     by_rows = [x.ndim >= 2 and x.size > norms.GROUP_MAX_ELEMENTS for x in arrays]
     rest = iter(excesses([x for x, r in zip(arrays, by_rows) if not r], low, high))
