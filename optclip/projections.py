@@ -110,19 +110,35 @@ def _slice_norms(build, cut: slices.Slicing, axis_name: norms.AxisName) -> tuple
     every leaf. The step's finiteness is read off the sums: a
     NaN element makes its slice's plain sum NaN, an infinite one both sums infinite, and no
     finite slice overflows the scaled sum.
+
+    ``build()`` computes the leaves from the optimizer's update, which the projection's output
+    reads too. XLA:CPU's XNNPACK reduction takes in only operations that no other kernel
+    reads, and a branch that reads the leaves again has them passed in: either way the update
+    would be written out and read back, a temporary the size of the leaf every step. A large
+    leaf (more than ``GROUP_MAX_ELEMENTS``) on a single device gets both sums at once instead,
+    from one variadic reduce (XLA:CPU's own loop, with the update's computation fused in),
+    the plain sum compensated (:func:`optclip._core.norms.compensated_squares`), and needs no
+    second read. Several devices keep the plain sums: XLA's SPMD partitioner gathers the
+    operands of a variadic reduce over a sharded axis.
     """
     xs = build()
     reduced = [i for i, axes in enumerate(cut.axes) if axes]
     single = [i for i, axes in enumerate(cut.axes) if axes == ()]
+    paired = [i for i in reduced
+              if xs[i].size > norms.GROUP_MAX_ELEMENTS and norms._may_group()]
+    plain = [i for i in reduced if i not in paired]
 
     def wide(i):
         return xs[i].astype(norms.acc_dtype(xs[i].dtype))
 
+    both = [tuple(jnp.expand_dims(s, cut.axes[i])
+                  for s in norms.compensated_squares(wide(i), cut.axes[i])) for i in paired]
     totals = [norms.across(jnp.sum(jnp.square(wide(i)), axis=cut.axes[i], keepdims=True), "sum",
-                           cut.split[i]) for i in reduced]
+                           cut.split[i]) for i in plain]
     exact_norms = [norms.slice_norm(xs[i], 2.0, (), cut.split[i]) for i in single]
-    local = (stats_lib.all_finite([norms.safe_sqrt(t) for t in totals]) &
-             stats_lib.all_finite(exact_norms))
+    # A paired leaf is finite exactly when its scaled sums are.
+    sure = stats_lib.all_finite(exact_norms + [s for _, s in both])
+    local = stats_lib.all_finite([norms.safe_sqrt(t) for t in totals]) & sure
     clean = norms.all_true(local, axis_name)
 
     def usual():
@@ -131,15 +147,15 @@ def _slice_norms(build, cut: slices.Slicing, axis_name: norms.AxisName) -> tuple
     def rescued():
         again = build()
         scaled = [norms.overflowed_sums(again[i].astype(total.dtype), total, cut.axes[i],
-                                        cut.split[i]) for i, total in zip(reduced, totals)]
+                                        cut.split[i]) for i, total in zip(plain, totals)]
         picked = [jnp.where(t == jnp.inf, q, t) for t, q in zip(totals, scaled)]
-        ok = stats_lib.all_finite(picked) & stats_lib.all_finite(exact_norms)
+        ok = stats_lib.all_finite(picked) & sure
         return scaled, norms.all_true(ok, axis_name)
 
     # One flag for the tree, the same on every device in both branches.
-    scaled, finite = jax.lax.cond(clean, usual, rescued)
+    scaled, finite = jax.lax.cond(clean, usual, rescued) if plain else ([], clean)
     measured = [None] * len(xs)
-    for i, total, q in zip(reduced, totals, scaled):
+    for i, total, q in [*zip(plain, totals, scaled), *((i, *s) for i, s in zip(paired, both))]:
         measured[i] = norms.root_of_squares(total, q, norms.SCALE_SHIFT[total.dtype])
     for i, n in zip(single, exact_norms):
         measured[i] = n

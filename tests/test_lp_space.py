@@ -738,6 +738,51 @@ def test_excesses_row_by_row_agree_with_the_whole_reduction(one_device):
             assert (whole > 0) == (rows > 0), (low, high, whole, rows)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=str)
+def test_project_l2_ball_norms_large_leaves_in_one_pass(dtype, one_device):
+    """The slice norms of a large leaf from one variadic reduce (the plain sum compensated, the
+    scaled one beside it) against NumPy's in float64: within two roundings of float32 (a sum
+    added in sequence without its error term is off by more); a row whose squares overflow
+    float32 (its norm from the scaled sum, added in sequence: within n roundings, the row
+    projected into the ball), a zero row; the output against the formula; a NaN and an
+    infinity hold the step."""
+    assert math.prod(BIG_SHAPE) > norms_lib.GROUP_MAX_ELEMENTS
+    radius = 2.3
+    p = {"big": rng_array(BIG_SHAPE, 6) * 0.1, "small": rng_array((4, 8), 7) * 0.1}
+    base = {"big": rng_array(BIG_SHAPE, 8) * 0.1, "small": rng_array((4, 8), 9) * 0.1}
+    tx = optclip.project_l2_ball(radius)
+    update = jax.jit(tx.update)
+    params = {k: arr(v, dtype) for k, v in p.items()}
+    state = tx.init(params)
+    held = 0
+    for row, value in [(None, 0.0), (5, 3e20), (9, 0.0), (0, np.nan), (-1, np.inf)]:
+        u = {k: v.copy() for k, v in base.items()}
+        if row is not None:
+            u["big"][row] = value - p["big"][row]
+        grads = {k: arr(v, dtype) for k, v in u.items()}
+        out, state = update(grads, state, params)
+        x = {k: np.asarray(params[k], np.float64) + np.asarray(grads[k], np.float64) for k in p}
+        if not np.isfinite(x["big"]).all():
+            held += 1
+            assert int(state.nonfinite) == held, row
+            continue
+        for k in p:
+            norm = np.linalg.norm(x[k], axis=-1)
+            # The row whose squares overflow float32 is measured by the scaled sum.
+            scaled = (np.arange(len(norm)) == row) & (k == "big" and value > 1e19)
+            got = np.asarray(state.norm[k], np.float64)
+            np.testing.assert_allclose(got[~scaled], norm[~scaled], rtol=2.4e-7, atol=0,
+                                       err_msg=f"{k} {row}")
+            np.testing.assert_allclose(got[scaled], norm[scaled],
+                                       rtol=x[k].shape[-1] * 2.0 ** -24, atol=0)
+            factor = np.where(norm > radius, radius / (norm + 1e-7), 1.0)[:, None]
+            landed = np.asarray(out[k], np.float64) + np.asarray(params[k], np.float64)
+            atol = 2.0 ** -8 if dtype == jnp.bfloat16 else 1e-7     # an ulp of bfloat16 at 1
+            np.testing.assert_allclose(landed, x[k] * factor, rtol=2e-6, atol=atol,
+                                       err_msg=f"{k} {row}")
+        assert np.asarray(state.projected["big"]).sum() > 10
+
+
 def test_float64_matches_oracle_under_x64():
     with jax.enable_x64(True):
         g = rng_array((3, 4), 11)

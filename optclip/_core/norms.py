@@ -175,6 +175,32 @@ def _sum_squares(x: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Ar
     return tuple(jax.lax.reduce(v, zero, jax.lax.add, axes) for v in squares)
 
 
+def _add_compensated(a: tuple, b: tuple) -> tuple:
+    """Combiner of :func:`compensated_squares`: ``(sum, error, scaled sum)`` triples added, the
+    rounding error of adding the sums kept (Knuth's two-sum, exact in round-to-nearest)."""
+    (high_a, low_a, scaled_a), (high_b, low_b, scaled_b) = a, b
+    high = jax.lax.add(high_a, high_b)
+    back = jax.lax.sub(high, high_a)
+    error = jax.lax.add(jax.lax.sub(high_a, jax.lax.sub(high, back)), jax.lax.sub(high_b, back))
+    return high, jax.lax.add(jax.lax.add(low_a, low_b), error), jax.lax.add(scaled_a, scaled_b)
+
+
+def compensated_squares(x: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """Plain and scaled sums of squares of ``x`` over ``axes`` (reduced axes dropped, as
+    :func:`root_of_squares` takes them) from one variadic reduce that also carries the plain
+    sum's rounding error: the plain sum is exact to about one rounding in whatever order XLA
+    adds the elements (XLA:CPU adds a variadic reduce's elements in sequence, where a plain sum
+    loses up to ``n`` roundings: about ``sqrt(n)`` on random data). The scaled sum, read only
+    where the plain one overflowed, is not compensated: each carried sum costs XLA:CPU's loop
+    about as much time as it saves in memory traffic. A plain sum that is not finite is
+    returned as it is (the error of adding infinities is NaN)."""
+    plain, scaled = _squares(x)
+    zero = jnp.zeros((), x.dtype)
+    high, low, scaled = jax.lax.reduce((plain, jnp.zeros_like(plain), scaled),
+                                       (zero, zero, zero), _add_compensated, axes)
+    return jax.lax.select(jnp.isfinite(high), jax.lax.add(high, low), high), scaled
+
+
 def root_of_squares(plain: jax.Array, scaled: jax.Array, shift: int) -> jax.Array:
     """``sqrt(plain)``, or ``sqrt(scaled) * 2**shift`` where ``plain`` overflowed.
 
