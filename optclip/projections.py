@@ -98,6 +98,13 @@ def _projection(name: str, measure, apply, state_cls: type, limits, axis_name: n
     return checks.transformation(init_fn, update_fn, pairs_leaves=pairs_leaves)
 
 
+# The longest slice whose sums of squares come from one variadic reduce (_slice_norms): its
+# scaled sum, read where the plain one overflowed, is added in sequence, within about
+# sqrt(n) roundings on random data (n of them at worst); longer slices keep the rescaled
+# re-read, whose sums XLA adds in a tree.
+PAIRED_SLICE_MAX = 1 << 16
+
+
 def _slice_norms(build, cut: slices.Slicing, axis_name: norms.AxisName) -> tuple[list, list]:
     """``(norm of every slice per leaf of build(), [finiteness of the step])`` (``None`` norms
     for non-float leaves; the one flag is the same on every device along ``axis_name``).
@@ -115,17 +122,18 @@ def _slice_norms(build, cut: slices.Slicing, axis_name: norms.AxisName) -> tuple
     reads too. XLA:CPU's XNNPACK reduction takes in only operations that no other kernel
     reads, and a branch that reads the leaves again has them passed in: either way the update
     would be written out and read back, a temporary the size of the leaf every step. A large
-    leaf (more than ``GROUP_MAX_ELEMENTS``) on a single device gets both sums at once instead,
-    from one variadic reduce (XLA:CPU's own loop, with the update's computation fused in),
-    the plain sum compensated (:func:`optclip._core.norms.compensated_squares`), and needs no
-    second read. Several devices keep the plain sums: XLA's SPMD partitioner gathers the
-    operands of a variadic reduce over a sharded axis.
+    leaf (more than ``GROUP_MAX_ELEMENTS``) of slices of at most ``PAIRED_SLICE_MAX`` elements
+    on a single device gets both sums at once instead, from one variadic reduce (XLA:CPU's own
+    loop, with the update's computation fused in), the plain sum compensated
+    (:func:`optclip._core.norms.compensated_squares`), and needs no second read. Several
+    devices keep the plain sums: XLA's SPMD partitioner gathers the operands of a variadic
+    reduce over a sharded axis.
     """
     xs = build()
     reduced = [i for i, axes in enumerate(cut.axes) if axes]
     single = [i for i, axes in enumerate(cut.axes) if axes == ()]
-    paired = [i for i in reduced
-              if xs[i].size > norms.GROUP_MAX_ELEMENTS and norms._may_group()]
+    paired = [i for i in reduced if norms._may_group() and xs[i].size > norms.GROUP_MAX_ELEMENTS
+              and axes_lib.slice_size(xs[i].shape, cut.axes[i]) <= PAIRED_SLICE_MAX]
     plain = [i for i in reduced if i not in paired]
 
     def wide(i):

@@ -783,6 +783,19 @@ def test_project_l2_ball_norms_large_leaves_in_one_pass(dtype, one_device):
         assert np.asarray(state.projected["big"]).sum() > 10
 
 
+def test_project_l2_ball_rereads_only_long_slices(one_device):
+    """Slices of a large leaf up to PAIRED_SLICE_MAX elements get their scale-safe sums from the
+    first read (no rescue branch in the step); a longer slice, whose scaled sum added in
+    sequence would lose too much, keeps the rescaled re-read under a ``lax.cond``."""
+    from optclip import projections
+    leaf = jnp.zeros(BIG_SHAPE)
+    assert BIG_SHAPE[-1] <= projections.PAIRED_SLICE_MAX < leaf.size
+    for param_ndim, rescue in [(-1, False), (None, True)]:
+        tx = optclip.project_l2_ball(1.0, param_ndim)
+        jaxpr = jax.make_jaxpr(tx.update)(leaf, tx.init(leaf), leaf)
+        assert ("cond[" in str(jaxpr)) == rescue, param_ndim
+
+
 def test_float64_matches_oracle_under_x64():
     with jax.enable_x64(True):
         g = rng_array((3, 4), 11)
