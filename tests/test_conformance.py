@@ -236,14 +236,17 @@ RANKS_SLICES = {"top_q", "l1q_normalize", "l1q_frank_wolfe", "l1_frank_wolfe"}
 
 
 @entries
-def test_sharded_step_gathers_nothing(entry):
+@pytest.mark.parametrize("axis_type", ["explicit", "auto"])
+def test_sharded_step_gathers_nothing(entry, axis_type):
     """No leaf is gathered: the step where the docs place the transform (``with_adam``), on a
     2-D mesh (FSDP by rows, tensor parallel by columns) and leaves past every size limit of
     the single-device paths, compiles to collectives of statistics only. A ranking transform
     needs whole slices: its leaf is split by rows only, and nothing is gathered either."""
     if jax.device_count() < 8:
         pytest.fail("the sharding check needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
-    mesh = jax.make_mesh((2, 4), ("d", "m"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    kind = (jax.sharding.AxisType.Explicit if axis_type == "explicit"
+            else jax.sharding.AxisType.Auto)
+    mesh = jax.make_mesh((2, 4), ("d", "m"), axis_types=(kind,) * 2)
     columns = None if entry.name in RANKS_SLICES else "m"
     specs = {"w": PartitionSpec("d", columns), "b": PartitionSpec(columns)}
     tx = with_adam(entry)[0]
