@@ -7,6 +7,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 # Compiling is most of the suite's time. Every compiled step goes to a cache on disk that both
@@ -25,3 +26,14 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 settings.register_profile("dev", max_examples=200, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def one_device(monkeypatch):
+    """The paths a step takes where a single CPU device is visible (as ``make bench`` runs;
+    the suite sees 8): variadic reduces shared by same-shape leaves or computed row by row
+    (``norms._may_group``), and the top-q ranking by blocks of rows
+    (``slices.single_cpu_device``)."""
+    from optclip._core import norms, slices
+    monkeypatch.setattr(norms, "_may_group", lambda: True)
+    monkeypatch.setattr(slices, "single_cpu_device", lambda: True)

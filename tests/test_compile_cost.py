@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from optclip._core import norms, slices
+from optclip._core import slices
 from tests import hlo
 from tests.registry import ALL_ENTRIES, Entry, with_adam
 
@@ -181,9 +181,7 @@ def test_kernel_count_measure():
 @pytest.mark.skipif(not hlo.recorded_xla(), reason=f"exact kernel counts of jaxlib "
                     f"{hlo.RECORDED_JAXLIB}'s XLA; checked by the main pins of make test")
 @pytest.mark.parametrize("entry", ALL_ENTRIES, ids=str)
-def test_kernels_per_leaf_match_budget(entry, monkeypatch):
-    monkeypatch.setattr(norms, "_may_group", lambda: True)
-    monkeypatch.setattr(slices, "single_cpu_device", lambda: True)
+def test_kernels_per_leaf_match_budget(entry, one_device, monkeypatch):
     # The top-q ranking's groups as on a large tree (a small one ranks its arrays apart).
     monkeypatch.setattr(slices, "COUNT_GROUP_PER", 1)
     tx, base = with_adam(entry)

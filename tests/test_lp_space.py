@@ -17,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import optclip
+from optclip import projections as projections_lib
 from optclip._core import norms as norms_lib
 from optclip._core import slices as slices_lib
 
@@ -681,15 +682,10 @@ def test_projection_and_frank_wolfe_match_numpy_oracle(shape, param_ndim):
 
 
 # A leaf large enough (more than norms.GROUP_MAX_ELEMENTS, two axes) that the box projections
-# reduce it row by row (slices.excesses(computed=True)), and a small one reduced whole.
+# reduce it row by row (slices.excesses(computed=True)) and project_l2_ball takes both sums of
+# squares in one read, where one device is visible (the ``one_device`` fixture of
+# conftest.py), and a small one reduced whole.
 BIG_SHAPE = (300, 256)
-
-
-@pytest.fixture
-def one_device(monkeypatch):
-    """The paths of a single visible device (this suite sees 8 CPU devices): a projection's
-    large leaves are reduced by a variadic reduce (norms._may_group)."""
-    monkeypatch.setattr(norms_lib, "_may_group", lambda: True)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=str)
@@ -787,9 +783,8 @@ def test_project_l2_ball_rereads_only_long_slices(one_device):
     """Slices of a large leaf up to PAIRED_SLICE_MAX elements get their scale-safe sums from the
     first read (no rescue branch in the step); a longer slice, whose scaled sum added in
     sequence would lose too much, keeps the rescaled re-read under a ``lax.cond``."""
-    from optclip import projections
     leaf = jnp.zeros(BIG_SHAPE)
-    assert BIG_SHAPE[-1] <= projections.PAIRED_SLICE_MAX < leaf.size
+    assert BIG_SHAPE[-1] <= projections_lib.PAIRED_SLICE_MAX < leaf.size
     for param_ndim, rescue in [(-1, False), (None, True)]:
         tx = optclip.project_l2_ball(1.0, param_ndim)
         jaxpr = jax.make_jaxpr(tx.update)(leaf, tx.init(leaf), leaf)

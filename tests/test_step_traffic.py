@@ -38,9 +38,9 @@ pytestmark = pytest.mark.skipif(
 
 # Passes per large leaf beyond adam's, per transform as the registry builds it, where one
 # CPU device is visible, as make bench measures (this suite sees 8 CPU devices for its sharding
-# checks, and takes the one-device paths by patching the two tests of them,
-# ``norms._may_group`` and ``slices.single_cpu_device``). MULTI_DEVICE_BUDGET below holds the
-# counts that differ where several devices are visible.
+# checks, and takes the one-device paths through the ``one_device`` fixture of conftest.py,
+# which patches ``norms._may_group`` and ``slices.single_cpu_device``). MULTI_DEVICE_BUDGET
+# below holds the counts that differ where several devices are visible.
 BUDGET = {
     # Elementwise. clip_value logs each leaf's max |g| and checks finiteness: two reductions
     # (XLA:CPU's fast float maximum skips NaN, so one maximum cannot give both); clamp counts.
@@ -108,13 +108,6 @@ BUDGET = {
 def _extra(entry: Entry) -> float:
     """Passes per large leaf beyond the baseline's (halves where something is shared)."""
     return extra_passes(*with_adam(entry))
-
-
-@pytest.fixture
-def one_device(monkeypatch):
-    """The paths a step takes where a single device is visible."""
-    monkeypatch.setattr(norms, "_may_group", lambda: True)
-    monkeypatch.setattr(slices, "single_cpu_device", lambda: True)
 
 
 def test_every_transform_has_a_budget():
