@@ -146,6 +146,9 @@ def clip_value_growth(
     identity = add is None and mul is None
     steep = checks.is_concrete_number(mul) and mul >= _MIN_RATIO
     mild = checks.is_concrete_number(max_decay) and max_decay * _MIN_RATIO < 0.5
+    # The new reference read from the output (:func:`_reference_of`) where that is exact.
+    from_output = not identity and (
+        mul is None or max_decay is None or (checks.is_concrete_number(mul) and mul >= 1))
 
     def init_fn(params):
         prev = stats_lib.zeros_like_params(lambda t: jax.tree.map(
@@ -204,21 +207,35 @@ def clip_value_growth(
             news = [jnp.where(ok, stepped[i][1], prevs[i]) for i in floats]
         else:
             # One gate (lax.cond; a select on a GPU) on the step's finiteness writes every
-            # reference (a held step hands the old ones back untouched). The outputs leave
-            # through it: they are computed where the reference is read, before it is written
-            # over, and the optimizer after this transform reads them instead of computing
-            # them again from the update and the old reference (XLA would then copy both
-            # first, to write the new reference over the donated buffer). Both read the leaf's
-            # flag, so the reductions over the update and the old reference come before them
-            # too.
+            # reference (a held step hands the old ones back untouched). Where the reference
+            # is read back from the output (a leaf of the reference's dtype, limits known to
+            # allow it: ``from_output``), the output is computed before the gate, which reads
+            # it and the old reference but not the update again (one read fewer).
+            # Elsewhere the output leaves through the gate: it is computed where the
+            # reference is read, before it is written over, and the optimizer after this
+            # transform reads it instead of computing it again from the update and the old
+            # reference (XLA would then copy both first, to write the new reference over the
+            # donated buffer). Every output reads the leaf's flag, so the reductions over the
+            # update and the old reference come before them.
+            early = {i: _value_output(leaves[i], prevs[i], first, hp, changed_of[i], steep)
+                     for i in floats if from_output and _reference_from_output(
+                         leaves[i], prevs[i])}
+            late = [i for i in floats if i not in early]
+
             def run():
-                stepped = [step(i) for i in floats]
-                return [o for o, _ in stepped], [n for _, n in stepped]
+                stepped = [step(i) for i in late]
+                return [o for o, _ in stepped], [n for _, n in stepped], [
+                    _reference_of(early[i], prevs[i], first, hp, mild) for i in early]
 
             def hold():
-                return [step(i)[0] for i in floats], [prevs[i] for i in floats]
+                return ([step(i)[0] for i in late], [prevs[i] for i in late],
+                        [prevs[i] for i in early])
 
-            outs, news = stats_lib.run_or_hold(ok, run, hold)
+            late_outs, late_news, early_news = stats_lib.run_or_hold(ok, run, hold)
+            out_of = {**dict(zip(late, late_outs)), **early}
+            new_of = {**dict(zip(late, late_news)), **dict(zip(early, early_news))}
+            outs = [out_of[i] for i in floats]
+            news = [new_of[i] for i in floats]
         outputs, new_prev = list(leaves), list(prevs)
         for i, out, new_ref in zip(floats, outs, news):
             outputs[i], new_prev[i] = out, new_ref
@@ -349,6 +366,41 @@ def _ratios(x: jax.Array, prev: jax.Array, hp: _Limits) -> jax.Array:
     if hp.min_value is None:   # 0/0 (zero reference and update) has no ratio; torchzero
         return size / (reference + (one - jnp.sign(size)))   # leaves it alone: 0 / 1
     return size / jnp.maximum(reference, _const(hp.min_value, w))
+
+
+def _value_output(x: jax.Array, prev: jax.Array, first: jax.Array, hp: _Limits,
+                  changed: jax.Array, steep: bool = False) -> jax.Array:
+    """One leaf's output: the update where nothing changes (the first step, or no element
+    limited), else the limited update (:func:`_value_limit`)."""
+    wide = x.astype(prev.dtype)
+    y = _value_limit(wide, prev, hp, steep)[0]
+    return _select(first | ~changed, wide, y).astype(x.dtype)
+
+
+def _reference_from_output(x: jax.Array, prev: jax.Array) -> bool:
+    """Whether a leaf's new reference is read from its output (:func:`_reference_of`): the
+    output has the reference's dtype (a float32 leaf)."""
+    return x.dtype == prev.dtype
+
+
+def _reference_of(out: jax.Array, prev: jax.Array, first: jax.Array, hp: _Limits,
+                  mild: bool = False) -> jax.Array:
+    """One leaf's new reference from its output and the old reference: the output, or the old
+    reference shrunk by ``max_decay`` where the output is that much smaller than its floor.
+
+    The decay test reads ``|output|`` where :func:`_value_step` reads ``|y|`` before the
+    multiplicative cap: the same where the cap did not bind, and false for both where it did
+    when ``mul >= 1`` and ``max_decay >= 1`` (the capped ``|output| = mul m >= m``)."""
+    if hp.max_decay is None:
+        return out
+    decay = _const(hp.max_decay, out)
+    floor = jnp.abs(prev)
+    if hp.min_value is not None:
+        floor = jnp.maximum(floor, _const(hp.min_value, out))
+    slow = jnp.abs(out) * decay < floor
+    if not mild:
+        slow = slow & (decay * _const(_MIN_RATIO, out) < 1)
+    return _select(first, out, _select(slow, prev / decay, out))
 
 
 def _value_step(x: jax.Array, prev: jax.Array, first: jax.Array, hp: _Limits,

@@ -219,13 +219,16 @@ def test_clip_value_growth_matches_oracle(kwargs):
                 np.testing.assert_allclose(got, p, rtol=ORACLE_RTOL, atol=1e-7)
 
 
-@pytest.mark.parametrize("kwargs", [dict(), dict(add=0.5, mul=1.1, max_decay=3.0)], ids=str)
+@pytest.mark.parametrize("kwargs", [dict(), dict(add=0.5, mul=1.1, max_decay=3.0),
+                                    dict(min_value=None, mul=1.0, max_decay=1.0)], ids=str)
 def test_value_growth_numbers_and_schedules_agree_bit_for_bit(kwargs):
     """A ``mul`` and ``max_decay`` known as numbers leave the tests of the ratio's ``1e-8``
-    floor out of the step; as schedules (known only at the step) they keep them: the same
-    outputs and states, bit for bit."""
+    floor out of the step, and with ``mul >= 1`` read the new reference from the output and
+    the old reference; as schedules (known only at the step) they keep the tests and read the
+    reference from the update: the same outputs and states, bit for bit."""
     kwargs = {"mul": 1.5, "max_decay": 2.0, **kwargs}
-    scheduled = {k: (lambda count, v=v: v) for k, v in kwargs.items() if k != "add"}
+    scheduled = {k: (lambda count, v=v: v) for k, v in kwargs.items()
+                 if k in ("mul", "max_decay")}
     seq = [as_tree(s) for s in random_sequence(seed=23)]
     outs, states = run(optclip.clip_value_growth(**kwargs), seq, jit=True)
     want_outs, want_states = run(optclip.clip_value_growth(**{**kwargs, **scheduled}), seq,
@@ -501,11 +504,14 @@ def test_value_growth_additive_nonfinite_step_leaves_state_unchanged(index, pois
 @pytest.mark.skipif(not hlo.recorded_xla(), reason="exact pass counts of one XLA version")
 def test_value_growth_step_passes():
     """Beyond adam's passes: the ratio reduction reads the update and the reference (2), the
-    finiteness sum the update (1; with ``add`` also the reference: 2); one conditional on the
-    step's finiteness writes the output from the update and the reference (3) and the new
-    reference from them and the output (4), which adam then reads instead of the update. No
-    copy: the conditional orders the in-place writes after every read of what they overwrite.
+    finiteness sum the update (1; with ``add`` also the reference: 2); the output is written
+    from the update and the reference (3), and one conditional on the step's finiteness writes
+    the new reference from the output and the old reference (3); adam reads the output instead
+    of the update. Where the reference cannot be read from the output (``mul < 1``), the output
+    leaves through the conditional, whose new reference also reads the update (4). No copy:
+    the conditional orders the in-place writes after every read of what they overwrite.
     """
-    for kwargs, extra in (({}, 10), ({"add": 0.5, "mul": None}, 11), ({"min_value": None}, 10)):
+    for kwargs, extra in (({}, 9), ({"add": 0.5, "mul": None}, 10), ({"min_value": None}, 9),
+                          ({"mul": 0.5}, 10)):
         tx = optax.chain(optclip.clip_value_growth(**kwargs), optax.adam(1e-3))
         assert hlo.extra_passes(tx, optax.adam(1e-3)) == extra, kwargs
