@@ -411,7 +411,11 @@ def machine() -> dict:
     except (OSError, StopIteration, ValueError):
         pass
     device = jax.devices()[0]
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory": memory,
+    # glibc's allocator settings decide whether a step's temporaries fault their pages in
+    # afresh every step, which moves the CPU step ratios: a run under non-default ones says so.
+    allocator = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
+                         if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES")
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory": memory, "allocator": allocator,
             "device": f"{device.device_kind} ({jax.default_backend()})",
             "gpu": jax.default_backend() == "gpu",
             "python": platform.python_version(), "jax": jax.__version__,
@@ -475,7 +479,8 @@ def render_markdown(results: dict, device: dict | None = None) -> str:
         "",
         f"**Machine:** {m['cpu']}, {m['cores']} cores, {m['memory']} memory; JAX device "
         f"{m['device']}; Python {m['python']}, jax {m['jax']}, optax {m['optax']}, "
-        f"optclip {m['optclip']}; measured {m['date']}.",
+        f"optclip {m['optclip']}; measured {m['date']}"
+        + (f"; allocator settings `{m['allocator']}`." if m.get("allocator") else "."),
         "",
     ]
     if not m["gpu"]:
@@ -489,8 +494,9 @@ def render_markdown(results: dict, device: dict | None = None) -> str:
         lines += [f"!!! warning \"Partial run\"\n    {c['partial']}", ""]
     for update in c.get("updates", ()):
         u = update["machine"]
+        settings = f"; allocator settings `{u['allocator']}`" if u.get("allocator") else ""
         lines += [f"Measured again on {u['date']} after a change ({u['cpu']}, {u['cores']} "
-                  f"cores; jax {u['jax']}; `{update['command']}`): "
+                  f"cores; jax {u['jax']}{settings}; `{update['command']}`): "
                   + ", ".join(f"`{n}`" for n in update["names"]) + ". The other rows come "
                   "from the full run above.", ""]
     if not c.get("fresh_gradients"):
