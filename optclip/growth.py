@@ -286,8 +286,7 @@ def _value_limit(wide: jax.Array, prev: jax.Array, hp: _Limits, steep: bool = Fa
     if hp.add is not None:
         excess = jnp.maximum(jnp.abs(wide) - reference, 0) - _const(hp.add, wide)
         y = _select(excess > 0, wide - excess * jnp.sign(wide), wide)
-    floor = (reference if hp.min_value is None
-             else jnp.maximum(reference, _const(hp.min_value, y)))
+    floor = _floor(reference, hp)
     size = jnp.abs(y)
     if hp.mul is not None:
         m, tiny = _const(hp.mul, y), _const(_MIN_RATIO, y)
@@ -368,6 +367,23 @@ def _ratios(x: jax.Array, prev: jax.Array, hp: _Limits) -> jax.Array:
     return size / jnp.maximum(reference, _const(hp.min_value, w))
 
 
+def _floor(reference: jax.Array, hp: _Limits) -> jax.Array:
+    """``max(|p|, min_value)`` from ``reference = |p|`` (``|p|`` without ``min_value``)."""
+    if hp.min_value is None:
+        return reference
+    return jnp.maximum(reference, _const(hp.min_value, reference))
+
+
+def _decays(size: jax.Array, floor: jax.Array, hp: _Limits, mild: bool) -> jax.Array:
+    """Where the reference decays: ``r < 1 / max_decay`` with ``r = size / floor``, as
+    products (``mild``: the ratio's floor ``1e-8`` is known not to decide)."""
+    decay = _const(hp.max_decay, size)
+    slow = size * decay < floor
+    if not mild:
+        slow = slow & (decay * _const(_MIN_RATIO, size) < 1)
+    return slow
+
+
 def _value_output(x: jax.Array, prev: jax.Array, first: jax.Array, hp: _Limits,
                   changed: jax.Array, steep: bool = False) -> jax.Array:
     """One leaf's output: the update where nothing changes (the first step, or no element
@@ -393,14 +409,8 @@ def _reference_of(out: jax.Array, prev: jax.Array, first: jax.Array, hp: _Limits
     when ``mul >= 1`` and ``max_decay >= 1`` (the capped ``|output| = mul m >= m``)."""
     if hp.max_decay is None:
         return out
-    decay = _const(hp.max_decay, out)
-    floor = jnp.abs(prev)
-    if hp.min_value is not None:
-        floor = jnp.maximum(floor, _const(hp.min_value, out))
-    slow = jnp.abs(out) * decay < floor
-    if not mild:
-        slow = slow & (decay * _const(_MIN_RATIO, out) < 1)
-    return _select(first, out, _select(slow, prev / decay, out))
+    slow = _decays(jnp.abs(out), _floor(jnp.abs(prev), hp), hp, mild)
+    return _select(first, out, _select(slow, prev / _const(hp.max_decay, out), out))
 
 
 def _value_step(x: jax.Array, prev: jax.Array, first: jax.Array, hp: _Limits,
@@ -417,11 +427,7 @@ def _value_step(x: jax.Array, prev: jax.Array, first: jax.Array, hp: _Limits,
     y, size, floor, _ = _value_limit(wide, prev, hp, steep)
     new_prev = y
     if hp.max_decay is not None:   # r < 1 / max_decay
-        decay = _const(hp.max_decay, y)
-        slow = size * decay < floor
-        if not mild:
-            slow = slow & (decay * _const(_MIN_RATIO, y) < 1)
-        new_prev = _select(slow, prev / decay, y)
+        new_prev = _select(_decays(size, floor, hp, mild), prev / _const(hp.max_decay, y), y)
     out = _select(first | ~changed, wide, y).astype(x.dtype)
     # On the first step the output is the update; where it has the reference's dtype, the
     # reference is taken from the output (the same values), so that XLA computes the output
