@@ -207,33 +207,44 @@ def clip_value_growth(
             news = [jnp.where(ok, stepped[i][1], prevs[i]) for i in floats]
         else:
             # One gate (lax.cond; a select on a GPU) on the step's finiteness writes every
-            # reference (a held step hands the old ones back untouched). Where the reference
-            # is read back from the output (a leaf of the reference's dtype, limits known to
-            # allow it: ``from_output``), the output is computed before the gate, which reads
-            # it and the old reference but not the update again (one read fewer).
-            # Elsewhere the output leaves through the gate: it is computed where the
-            # reference is read, before it is written over, and the optimizer after this
-            # transform reads it instead of computing it again from the update and the old
+            # reference (a held step hands the old ones back untouched).
+            # Where the reference is read back from the output (a leaf of the reference's
+            # dtype, limits known to allow it: ``from_output``), the gate also writes the
+            # output, and a held step hands back the update itself in its place: XLA then
+            # writes the output over the donated update (on a CPU a temporary the size of the
+            # leaf, new every step, faults in every page: about 2x adam's step on a
+            # GPT-2-shaped tree). After the gate, a held step's output is the limit of the
+            # update (handed back) against the old reference (kept), which adam's kernels
+            # compute as they read the output (a select on the scalar flag).
+            # Elsewhere the output leaves through the gate from both branches: it is computed
+            # where the reference is read, before it is written over, and the optimizer after
+            # this transform reads it instead of computing it again from the update and the old
             # reference (XLA would then copy both first, to write the new reference over the
             # donated buffer). Every output reads the leaf's flag, so the reductions over the
             # update and the old reference come before them.
-            early = {i: _value_output(leaves[i], prevs[i], first, hp, changed_of[i], steep)
-                     for i in floats if from_output and _reference_from_output(
-                         leaves[i], prevs[i])}
-            late = [i for i in floats if i not in early]
+            direct = [i for i in floats if from_output and _reference_from_output(
+                leaves[i], prevs[i])]
+            rest = [i for i in floats if i not in direct]
+
+            def output(i, x, p):
+                return _value_output(x, p, first, hp, changed_of[i], steep)
 
             def run():
-                stepped = [step(i) for i in late]
-                return [o for o, _ in stepped], [n for _, n in stepped], [
-                    _reference_of(early[i], prevs[i], first, hp, mild) for i in early]
+                stepped = [step(i) for i in rest]
+                direct_outs = [output(i, leaves[i], prevs[i]) for i in direct]
+                return [o for o, _ in stepped], [n for _, n in stepped], direct_outs, [
+                    _reference_of(o, prevs[i], first, hp, mild)
+                    for i, o in zip(direct, direct_outs)]
 
             def hold():
-                return ([step(i)[0] for i in late], [prevs[i] for i in late],
-                        [prevs[i] for i in early])
+                return ([step(i)[0] for i in rest], [prevs[i] for i in rest],
+                        [leaves[i] for i in direct], [prevs[i] for i in direct])
 
-            late_outs, late_news, early_news = stats_lib.run_or_hold(ok, run, hold)
-            out_of = {**dict(zip(late, late_outs)), **early}
-            new_of = {**dict(zip(late, late_news)), **dict(zip(early, early_news))}
+            rest_outs, rest_news, direct_outs, direct_news = stats_lib.run_or_hold(ok, run, hold)
+            held_limited = {i: _select(ok, o, output(i, o, r))
+                     for i, o, r in zip(direct, direct_outs, direct_news)}
+            out_of = {**dict(zip(rest, rest_outs)), **held_limited}
+            new_of = {**dict(zip(rest, rest_news)), **dict(zip(direct, direct_news))}
             outs = [out_of[i] for i in floats]
             news = [new_of[i] for i in floats]
         outputs, new_prev = list(leaves), list(prevs)

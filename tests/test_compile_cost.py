@@ -140,7 +140,7 @@ def test_distinct_kernels_per_leaf(entry):
 KERNEL_BUDGET = {
     "clip_value": -1, "clip_norm": 3.58, "clip_by_global_norm": 0, "normalize": 4.08,
     "centralize": 0.75, "zscore_normalize": 0.75, "clip_norm_by_ema": 11.92,
-    "normalize_by_ema": 4, "clip_value_by_ema": -0.17, "clip_value_growth": 2.67,
+    "normalize_by_ema": 4, "clip_value_by_ema": -0.17, "clip_value_growth": 3.67,
     "clip_norm_growth": -0.17, "hist_clip": 0, "param_hist_clip": 0, "zclip": 0,
     "quantile_clip": 0, "standard_clip": 0, "sign": 0, "l1_normalize": 4.5,
     "l2_normalize": 9.33, "top_q": 1.58, "l1q_normalize": 3.25, "clamp": -0.17,

@@ -504,14 +504,33 @@ def test_value_growth_additive_nonfinite_step_leaves_state_unchanged(index, pois
 @pytest.mark.skipif(not hlo.recorded_xla(), reason="exact pass counts of one XLA version")
 def test_value_growth_step_passes():
     """Beyond adam's passes: the ratio reduction reads the update and the reference (2), the
-    finiteness sum the update (1; with ``add`` also the reference: 2); the output is written
-    from the update and the reference (3), and one conditional on the step's finiteness writes
-    the new reference from the output and the old reference (3); adam reads the output instead
-    of the update. Where the reference cannot be read from the output (``mul < 1``), the output
-    leaves through the conditional, whose new reference also reads the update (4). No copy:
-    the conditional orders the in-place writes after every read of what they overwrite.
+    finiteness sum the update (1; with ``add`` also the reference: 2); one conditional on the
+    step's finiteness writes the output from the update and the reference over the update
+    (3), and the new reference from the output and the old reference over the old one (3);
+    adam's two kernels that read the output also read the new reference (2: a held step's
+    output is limited there). Where the reference cannot be read from the output
+    (``mul < 1``), the output leaves through the conditional from both branches and is
+    written to a temporary (3), whose new reference also reads the update (4). No copy: the
+    conditional orders the in-place writes after every read of what they overwrite.
     """
-    for kwargs, extra in (({}, 9), ({"add": 0.5, "mul": None}, 10), ({"min_value": None}, 9),
+    for kwargs, extra in (({}, 11), ({"add": 0.5, "mul": None}, 12), ({"min_value": None}, 11),
                           ({"mul": 0.5}, 10)):
         tx = optax.chain(optclip.clip_value_growth(**kwargs), optax.adam(1e-3))
         assert hlo.extra_passes(tx, optax.adam(1e-3)) == extra, kwargs
+
+
+@pytest.mark.skipif(not hlo.recorded_xla(), reason="buffer assignment of one XLA version")
+@pytest.mark.parametrize("kwargs, writes_temporary", [
+    ({}, False), ({"add": 0.5, "mul": None}, False), ({"mul": 0.5}, True)], ids=str)
+def test_value_growth_output_over_the_donated_update(kwargs, writes_temporary):
+    """With the reference read from the output, a held step hands the update back in the
+    output's place, so XLA writes the output over the donated update: the compiled step of
+    ``chain(clip_value_growth, adam)`` needs no temporary the size of a leaf (on a CPU such a
+    temporary, new every step, faults in every page). The through-the-gate form (``mul < 1``)
+    writes one per leaf."""
+    tx = optax.chain(optclip.clip_value_growth(**kwargs), optax.adam(1e-3))
+    state = jax.eval_shape(tx.init, hlo.TREE)
+    step = jax.jit(tx.update, donate_argnums=(0, 1)).lower(hlo.TREE, state, hlo.TREE).compile()
+    leaf_bytes = max(x.size * x.dtype.itemsize for x in jax.tree.leaves(hlo.TREE))
+    temporary = step.memory_analysis().temp_size_in_bytes
+    assert (temporary >= hlo.LARGE * leaf_bytes) == writes_temporary, temporary

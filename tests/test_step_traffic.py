@@ -69,7 +69,9 @@ BUDGET = {
     "clip_norm_by_ema": 10,
     "normalize_by_ema": 6,
     "clip_value_by_ema": 11,
-    "clip_value_growth": 10,
+    # clip_value_growth writes its output over the donated update (no temporary, which on a CPU
+    # costs about twice a pass in place); adam's kernels then also read the new reference.
+    "clip_value_growth": 12,
     # Per-row ranking: on one CPU device a block of rows at a time from the cache. The copy
     # of the donated gradients that the blocks' loop reads (a read and a write), each block's
     # read of that copy (counted as a whole pass: 2 blocks of 128 rows, 2 counted, 1 made),
