@@ -222,9 +222,12 @@ def clip_value_growth(
             # reference (XLA would then copy both first, to write the new reference over the
             # donated buffer). Every output reads the leaf's flag, so the reductions over the
             # update and the old reference come before them.
-            direct = [i for i in floats if from_output and _reference_from_output(
-                leaves[i], prevs[i])]
-            rest = [i for i in floats if i not in direct]
+            # A float32 leaf (the output has the reference's dtype) takes the reference
+            # from its output.
+            reads_output = {i: from_output and leaves[i].dtype == prevs[i].dtype
+                            for i in floats}
+            direct = [i for i in floats if reads_output[i]]
+            rest = [i for i in floats if not reads_output[i]]
 
             def output(i, x, p):
                 return _value_output(x, p, first, hp, changed_of[i], steep)
@@ -242,7 +245,7 @@ def clip_value_growth(
 
             rest_outs, rest_news, direct_outs, direct_news = stats_lib.run_or_hold(ok, run, hold)
             held_limited = {i: _select(ok, o, output(i, o, r))
-                     for i, o, r in zip(direct, direct_outs, direct_news)}
+                            for i, o, r in zip(direct, direct_outs, direct_news)}
             out_of = {**dict(zip(rest, rest_outs)), **held_limited}
             new_of = {**dict(zip(rest, rest_news)), **dict(zip(direct, direct_news))}
             outs = [out_of[i] for i in floats]
@@ -395,19 +398,18 @@ def _decays(size: jax.Array, floor: jax.Array, hp: _Limits, mild: bool) -> jax.A
     return slow
 
 
-def _value_output(x: jax.Array, prev: jax.Array, first: jax.Array, hp: _Limits,
-                  changed: jax.Array, steep: bool = False) -> jax.Array:
-    """One leaf's output: the update where nothing changes (the first step, or no element
-    limited), else the limited update (:func:`_value_limit`)."""
-    wide = x.astype(prev.dtype)
-    y = _value_limit(wide, prev, hp, steep)[0]
+def _chosen(x: jax.Array, wide: jax.Array, y: jax.Array, first: jax.Array,
+            changed: jax.Array) -> jax.Array:
+    """One leaf's output from the update (``wide``: in the reference's dtype) and its limit
+    ``y``: the update where nothing changes (the first step, or no element limited)."""
     return _select(first | ~changed, wide, y).astype(x.dtype)
 
 
-def _reference_from_output(x: jax.Array, prev: jax.Array) -> bool:
-    """Whether a leaf's new reference is read from its output (:func:`_reference_of`): the
-    output has the reference's dtype (a float32 leaf)."""
-    return x.dtype == prev.dtype
+def _value_output(x: jax.Array, prev: jax.Array, first: jax.Array, hp: _Limits,
+                  changed: jax.Array, steep: bool = False) -> jax.Array:
+    """One leaf's output (:func:`_chosen`) of the limit :func:`_value_limit`."""
+    wide = x.astype(prev.dtype)
+    return _chosen(x, wide, _value_limit(wide, prev, hp, steep)[0], first, changed)
 
 
 def _reference_of(out: jax.Array, prev: jax.Array, first: jax.Array, hp: _Limits,
@@ -439,7 +441,7 @@ def _value_step(x: jax.Array, prev: jax.Array, first: jax.Array, hp: _Limits,
     new_prev = y
     if hp.max_decay is not None:   # r < 1 / max_decay
         new_prev = _select(_decays(size, floor, hp, mild), prev / _const(hp.max_decay, y), y)
-    out = _select(first | ~changed, wide, y).astype(x.dtype)
+    out = _chosen(x, wide, y, first, changed)
     # On the first step the output is the update; where it has the reference's dtype, the
     # reference is taken from the output (the same values), so that XLA computes the output
     # before it writes the new reference over the old one that both read.

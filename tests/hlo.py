@@ -129,14 +129,20 @@ def _traffic_of(name: str, bodies: dict[str, list[str]], size: int) -> Traffic:
     return total
 
 
+def compiled_step(tx: optax.GradientTransformation, tree):
+    """``jit(tx.update)`` compiled for ``tree`` (gradients and state donated, the tree also
+    passed as the parameters), as a training step runs it."""
+    state = jax.eval_shape(tx.init, tree)
+    return jax.jit(tx.update, donate_argnums=(0, 1)).lower(tree, state, tree).compile()
+
+
 def traffic(tx: optax.GradientTransformation, tree) -> Traffic:
     """Parameter-sized reads and writes of ``jit(tx.update)`` (gradients and state donated, the
     tree also passed as the parameters) on ``tree``: buffers at least as large as its largest
     leaf count. Give the tree two or more leaves of that size and shape: XLA shares a broadcast
     constant between the reductions of same-shape leaves only, and then writes it out."""
     size = max(x.size for x in jax.tree.leaves(tree))
-    state = jax.eval_shape(tx.init, tree)
-    text = jax.jit(tx.update, donate_argnums=(0, 1)).lower(tree, state, tree).compile().as_text()
+    text = compiled_step(tx, tree).as_text()
     bodies, entry = _computations(text)
     return _traffic_of(entry, bodies, size)
 

@@ -529,8 +529,6 @@ def test_value_growth_output_over_the_donated_update(kwargs, writes_temporary):
     temporary, new every step, faults in every page). The through-the-gate form (``mul < 1``)
     writes one per leaf."""
     tx = optax.chain(optclip.clip_value_growth(**kwargs), optax.adam(1e-3))
-    state = jax.eval_shape(tx.init, hlo.TREE)
-    step = jax.jit(tx.update, donate_argnums=(0, 1)).lower(hlo.TREE, state, hlo.TREE).compile()
     leaf_bytes = max(x.size * x.dtype.itemsize for x in jax.tree.leaves(hlo.TREE))
-    temporary = step.memory_analysis().temp_size_in_bytes
+    temporary = hlo.compiled_step(tx, hlo.TREE).memory_analysis().temp_size_in_bytes
     assert (temporary >= hlo.LARGE * leaf_bytes) == writes_temporary, temporary

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given
 
 import optclip
+from tests import hlo
 from tests.helpers import nnx_pure
 
 LR = 1e-2
@@ -279,9 +280,7 @@ def test_a_donated_step_writes_the_state_in_place():
     whose branch builds new zeros makes XLA copy the updates, or the moments, after it)."""
     tx = optclip.skip_spikes(optax.adam(LR), warmup_steps=2)
     params = {"w": jnp.zeros((64, 32)), "b": jnp.zeros((32,))}
-    state = tx.init(params)
-    text = jax.jit(tx.update, donate_argnums=(0, 1)).lower(params, state, params).compile(
-    ).as_text()
+    text = hlo.compiled_step(tx, params).as_text()
     copies = [line for line in text.splitlines()
               if " copy(" in line and ("f32[64,32]" in line or "f32[32]" in line)]
     assert not copies, copies

@@ -199,8 +199,7 @@ def test_ranking_rounds_write_two_byte_flags(monkeypatch):
     rounds). Also inside ``shard_map``, where each device counts its block of the slice."""
     monkeypatch.setattr(slices, "single_cpu_device", lambda: True)
     tx = optax.chain(optclip.top_q(0.9), optax.adam(1e-3))
-    state = jax.eval_shape(tx.init, TREE)
-    text = jax.jit(tx.update, donate_argnums=(0, 1)).lower(TREE, state, TREE).compile().as_text()
+    text = hlo.compiled_step(tx, TREE).as_text()
     rows = slices._block_rows(jnp.zeros(TREE["w"].shape))
     assert rows == 128
     assert not hlo.loop_writes(text, TREE["w"].size)
