@@ -244,11 +244,14 @@ def _top_q_family(name: str, state_cls: type, q: Any, dq: Any, param_ndim: Any, 
         leaves, treedef = jax.tree.flatten(updates)
         cut = slices.slicing(leaves, updates, param_ndim, axis_name)
         key, q, k, k_of = fraction.draw(state.key, leaves, cut.sizes)
+        finite = stats_lib.all_finite(updates, axis_name)
         ranked = leaves_fn(leaves, cut.axes, k_of, cut.split)
+        # Computed after the finiteness check, which reads the leaves too: with the gradients
+        # donated XLA would otherwise copy each leaf to keep it for the check.
+        ranked = [stats_lib.after(finite, r) if norms.is_float(r) else r for r in ranked]
         new_leaves = [_affine(r, grad_scale, grad_bias) if norms.is_float(g) else g
                       for g, r in zip(leaves, ranked, strict=True)]
         new_state = state_cls(key, q, k, state.nonfinite)
-        finite = stats_lib.all_finite(updates, axis_name)
         return treedef.unflatten(new_leaves), stats_lib.commit(finite, new_state, state)
 
     return checks.transformation(init_fn, update_fn, pairs_leaves=True)
@@ -262,7 +265,8 @@ def top_q(q: float, dq: float = 0.0, param_ndim: int | None = -1, grad_scale: fl
     Per slice of ``D`` entries, ``k = round((1 - q) * D)`` (double precision, half to even: q=0.5
     on D=3 keeps 2, q=0.75 on D=2 keeps none); the ``k`` entries of largest ``|g|`` keep their
     signed values, the others become 0; then ``g * grad_scale + grad_bias``. Ties at the cut-off
-    keep the lowest indices, so exactly ``k`` entries survive. With ``dq > 0`` each leaf draws,
+    keep the lowest indices, so exactly ``k`` entries survive; NaN ranks above infinity (as in
+    ``torch.topk``). With ``dq > 0`` each leaf draws,
     every step, ``q_t ~ U[max(0, q - dq), min(1, q + dq))`` (float32) from a PRNG key held in
     the state; all slices of a leaf share it.
 

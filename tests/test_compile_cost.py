@@ -143,10 +143,10 @@ KERNEL_BUDGET = {
     "normalize_by_ema": 4, "clip_value_by_ema": -0.17, "clip_value_growth": 3.67,
     "clip_norm_growth": -0.17, "hist_clip": 0, "param_hist_clip": 0, "zclip": 0,
     "quantile_clip": 0, "standard_clip": 0, "sign": 0, "l1_normalize": 4.5,
-    "l2_normalize": 9.33, "top_q": 1.58, "l1q_normalize": 3.25, "clamp": -0.17,
+    "l2_normalize": 9.33, "top_q": 1.58, "l1q_normalize": 2.75, "clamp": -0.17,
     "project_l2_ball": 7.5, "project_linf_ball": 0.83, "clamp_params": 0.83,
     "frank_wolfe": -2.17, "l1_frank_wolfe": -0.75, "l2_frank_wolfe": 6.33,
-    "linf_frank_wolfe": -2.17, "l1q_frank_wolfe": 1.58, "skip_spikes": 4, "adagc": 0,
+    "linf_frank_wolfe": -2.17, "l1q_frank_wolfe": 0.58, "skip_spikes": 4, "adagc": 0,
     "spam_clip": 2.83, "adamw_clip": 2.83, "stable_adamw_clip": 3.83,
     "adaptive_grad_clip": 5,
 }

@@ -594,8 +594,9 @@ def oracle_normalize(g, ord, param_ndim, eps=2.0**-126):
 def oracle_top_q(g, q, param_ndim):
     rows = oracle_slices(np.asarray(g, np.float64), param_ndim).copy()
     keep = round((1 - q) * rows.shape[1])
-    for row in rows:
-        order = sorted(range(row.size), key=lambda i: (-abs(row[i]), i))
+    for row in rows:   # NaN first (above inf, as torch.topk), ties to the lowest index
+        order = sorted(range(row.size), key=lambda i: (not np.isnan(row[i]),
+                                                       0 if np.isnan(row[i]) else -abs(row[i]), i))
         row[order[keep:]] = 0
     return rows.reshape(np.shape(g))
 
@@ -1088,8 +1089,8 @@ def test_top_q_keeps_the_first_k_in_stable_order_with_ties_and_nan():
     g[0, 3] = np.nan
     g[1, :] = 1.0
     g[2, 2] = -np.inf
-    magnitude = np.where(np.isnan(g), np.inf, np.abs(g))
-    ranks = np.argsort(np.argsort(-magnitude, axis=-1, kind="stable"), axis=-1, kind="stable")
+    g[3, :3] = [np.inf, -np.inf, np.nan]        # NaN ranks above inf (torch.topk)
+    ranks = _magnitude_ranks(g)
     for q in (0.0, 0.3, 0.5, 0.75, 1.0):
         k = round((1 - q) * 7)
         expected = np.where(ranks < k, g, 0.0)
@@ -1100,11 +1101,18 @@ def test_top_q_keeps_the_first_k_in_stable_order_with_ties_and_nan():
         np.testing.assert_array_equal(traced, expected)
 
 
+def _magnitude_ranks(g):
+    """Each entry's place in its row by descending |g|: NaN first (above inf, as torch.topk),
+    ties to the lowest index."""
+    magnitude = np.where(np.isnan(g), np.inf, np.abs(g))
+    index = np.broadcast_to(np.arange(g.shape[-1]), g.shape)
+    order = np.lexsort((index, -magnitude, ~np.isnan(g)), axis=-1)
+    return np.argsort(order, axis=-1, kind="stable")
+
+
 def _top_k_oracle(g, k):
     """The k entries of largest |g| per row (NaN largest, ties to the lowest index), others 0."""
-    magnitude = np.where(np.isnan(g), np.inf, np.abs(g))
-    ranks = np.argsort(np.argsort(-magnitude, axis=-1, kind="stable"), axis=-1, kind="stable")
-    return np.where(ranks < k, g, 0.0)
+    return np.where(_magnitude_ranks(g) < k, g, 0.0)
 
 
 @pytest.mark.parametrize("dq", [0.0, 0.2])
@@ -1364,6 +1372,57 @@ def test_top_q_ranked_by_blocks_of_rows_matches_the_oracle(monkeypatch, dq):
             np.testing.assert_array_equal(blocks[name], whole[name], err_msg=name)
     if dq == 0.0:
         for name, g in grads.items():   # NaN ranks as the largest magnitude
-            want = oracle_top_q(np.where(np.isnan(g), np.inf, g), 0.5, -1)
-            want = np.where(np.isnan(g) & (want != 0), np.nan, want)
+            want = oracle_top_q(g, 0.5, -1)
             np.testing.assert_array_equal(blocks[name], want, err_msg=name)
+
+
+def _l1q_oracle(g, k, eps=slices_lib.TINY):
+    """NumPy l1q of every row: the signs of the top k (as ``_top_k_oracle``) over their count
+    of non-zero entries; a kept NaN makes that count, and so its row, NaN."""
+    kept = _top_k_oracle(g, k)
+    signs = np.where(kept == 0, 0.0, np.sign(kept))
+    count = np.abs(signs).sum(axis=-1, keepdims=True)
+    return signs / np.where(count == 0, 1.0, np.maximum(count, eps))
+
+
+@pytest.mark.parametrize("blocks", [False, True], ids=["whole", "blocks"])
+def test_l1q_divides_by_the_count_of_kept_non_zero_entries(monkeypatch, blocks):
+    """l1q counts a row's non-zero entries n, not its kept signs: min(k, n). The NumPy oracle
+    counts the kept signs: rows with a NaN (kept, so the whole row is NaN, also when fewer than
+    k entries are non-zero, and when it ties with infinities by magnitude), with fewer non-zero
+    entries than k, with signed zeros and an infinity, ties at the cut; k = 0 (no row NaN), k
+    static and traced, jitted and not, by blocks of rows and whole."""
+    g = np.random.default_rng(5).normal(size=(8, 6)).astype(F32)
+    g[0, 2] = np.nan                                   # kept, cut > 0: the row is NaN
+    g[1] = [0.0, -0.0, 3.0, 0.0, -0.0, 0.0]            # fewer non-zero entries than k
+    g[2] = [0.0, np.nan, 0.0, 0.0, 0.0, -0.0]          # a NaN, the cut 0
+    g[3, 4] = -np.inf
+    g[4] = [1.0, -1.0, 1.0, 2.0, -1.0, 1.0]            # ties at the cut
+    g[5] = 0.0
+    g[6] = [np.inf, -np.inf, np.nan, 1.0, 2.0, np.inf]  # the NaN ties with the infinities
+    if blocks:
+        monkeypatch.setattr(slices_lib, "single_cpu_device", lambda: True)  # the suite has 8
+        monkeypatch.setattr(slices_lib, "RANK_BLOCK_ENTRIES", 12)
+        assert slices_lib._block_rows(jnp.asarray(g)) == 2
+    traced = jax.jit(lambda g, k: slices_lib.l1q(g, (1,), k, slices_lib.TINY))
+    for k in (0, 1, 2, 4, 6):
+        want = _l1q_oracle(g, k)
+        assert np.isnan(want[0]).all() == (k > 0) and np.isnan(want[2]).all() == (k > 0)
+        tx = optclip.l1q_normalize(1 - k / 6)
+        for update in (tx.update, jax.jit(tx.update)):
+            np.testing.assert_array_equal(update(g, tx.init(g))[0], want, err_msg=str(k))
+        np.testing.assert_array_equal(traced(g, k), want, err_msg=f"traced {k}")
+
+
+def test_l1q_counts_the_signs_kept_where_the_cut_is_subnormal():
+    """XLA:CPU's float operations read a subnormal as 0: its sign is 0. A row whose cut is a
+    subnormal magnitude keeps entries whose sign is 0, and counts only the others, so every
+    row with a non-zero sign has L1 norm 1 (NumPy, which does not flush subnormals, cannot
+    serve as the oracle here)."""
+    tiny = np.finfo(F32).tiny
+    g = np.array([[tiny / 4, -tiny / 2, 0.0, 0.0, 5.0, 0.0],      # cut tiny / 4: subnormal
+                  [1.0, -2.0, 0.0, 3.0, tiny / 8, 0.0]], F32)
+    for update in (optclip.l1q_normalize(0.5).update, jax.jit(optclip.l1q_normalize(0.5).update)):
+        out = np.asarray(update(g, optclip.l1q_normalize(0.5).init(g))[0])
+        np.testing.assert_array_equal(out[:, 2:4], [[0, 0], [0, F32(1) / 3]])
+        np.testing.assert_allclose(np.abs(out).sum(axis=1), 1.0, rtol=1e-6)

@@ -364,7 +364,7 @@ def _row_cuts(bits: list, ks: list, settle: bool = False) -> tuple[list, list]:
     else:
         # The largest bit pattern with at least k entries at or above it: the k-th largest.
         kth, at_least = _largest(
-            zeros, [_inf_bits(bits[g[0]]) + 1 for g in groups],
+            zeros, [_top_bits(bits[g[0]]) + 1 for g in groups],
             [functools.partial(_at_or_above, [bits[i] for i in g]) for g in groups], ks, every)
     # A row whose k-th largest magnitude is 0 keeps every zero: that changes no output.
     exact = [jnp.all((a == k.astype(a.dtype)) | (t == 0)) for a, k, t in zip(at_least, ks, kth)]
@@ -493,7 +493,7 @@ def _settled_cut(bits: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
                                   jnp.where(r == 0, low + 1, middle(low, high)))
         return r + 1, *halve(low, high, at_low, middle(low, high))
 
-    start = (jnp.asarray(0, jnp.int32), zero, zero + _inf_bits(bits) + 1,
+    start = (jnp.asarray(0, jnp.int32), zero, zero + _top_bits(bits) + 1,
              (zero + bits.shape[-1]).astype(wanted.dtype))
     _, low, _, at_low = jax.lax.while_loop(unsettled, rounds, start)
     return low, at_low
@@ -571,24 +571,25 @@ def _float_of(bits: jax.Array):
     return np.float64 if bits.dtype == jnp.int64 else np.float32
 
 
-def _inf_bits(bits: jax.Array) -> int:
-    """The bit pattern of ``inf`` in the float type whose bits ``bits`` holds: the largest
-    magnitude :func:`magnitude_bits` gives (NaN's included)."""
-    return int(np.asarray(np.inf, _float_of(bits)).view(bits.dtype))
+def _top_bits(bits: jax.Array) -> int:
+    """The largest magnitude :func:`magnitude_bits` gives, NaN's: the bit pattern of ``inf``
+    in the float type whose bits ``bits`` holds, plus 1."""
+    return int(np.asarray(np.inf, _float_of(bits)).view(bits.dtype)) + 1
 
 
 def magnitude_bits(g: jax.Array) -> jax.Array:
-    """The bits of ``|g|`` (NaN ranked as the largest, ``inf``) in the accumulation dtype, as
-    signed integers: non-negative floats order like their bit patterns.
+    """The bits of ``|g|`` in the accumulation dtype, as signed integers: non-negative floats
+    order like their bit patterns. Every NaN ranks as the largest, above ``inf``, as in
+    ``torch.topk`` (:func:`_top_bits`).
 
-    Integer operations only (the sign bit cleared, NaN patterns lowered to ``inf``'s): a float
-    ``abs`` or comparison that XLA:CPU fuses into a kernel with the bit patterns' comparisons
-    reads a subnormal as 0, which would rank it with the zeros."""
+    Integer operations only (the sign bit cleared, NaN patterns lowered to the one above
+    ``inf``'s): a float ``abs`` or comparison that XLA:CPU fuses into a kernel with the bit
+    patterns' comparisons reads a subnormal as 0, which would rank it with the zeros."""
     wide = g.astype(norms.acc_dtype(g.dtype))
     bits = jax.lax.bitcast_convert_type(wide, norms.int_type(wide.dtype))
     ones = np.iinfo(bits.dtype).max            # every bit but the sign
     return jnp.minimum(bits & jnp.asarray(ones, bits.dtype),
-                       jnp.asarray(_inf_bits(bits), bits.dtype))
+                       jnp.asarray(_top_bits(bits), bits.dtype))
 
 
 def _row_count(flags: jax.Array) -> jax.Array:
@@ -666,7 +667,7 @@ def split_top_k(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array,
     """
     bits = magnitude_bits(g)
     k = jnp.asarray(k, jnp.int32)
-    top = _inf_bits(bits) + 1
+    top = _top_bits(bits) + 1
 
     def halve(_, bounds):
         low, high = bounds
@@ -765,8 +766,29 @@ def l1q_leaves(leaves: list, axes_of: list, k_of: list, split_of: list, eps: Any
     """:func:`l1q` of every leaf (``None`` axes: returned as it is), ranked together as in
     :func:`top_q_kept_leaves`."""
     kept = top_q_kept_leaves(leaves, axes_of, k_of, split_of)
-    return [g if axes is None else _signs_over_count(x, axes, split, eps).astype(g.dtype)
-            for g, x, axes, split in zip(leaves, kept, axes_of, split_of, strict=True)]
+    return [g if axes is None else
+            (_signs_over_count(x, axes, split, eps) if split else
+             _wide(sign(x)) / _divisor(_kept_nonzero(g, axes, k), eps)).astype(g.dtype)
+            for g, x, axes, k, split in zip(leaves, kept, axes_of, k_of, split_of, strict=True)]
+
+
+def _kept_nonzero(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array) -> jax.Array:
+    """How many non-zero entries the top ``k`` of each slice of ``g`` keeps (keepdims, wide
+    dtype), as a sum of the kept entries' ``|sign|`` would count them: ``min(k, n)`` for the
+    ``n`` non-zero entries of the slice, 0 for ``k = 0``, NaN where the slice holds a NaN.
+
+    The top ``k`` keeps exactly ``k`` entries, all non-zero where the slice has ``k`` or more
+    non-zero entries, and every non-zero entry where it has fewer. A NaN ranks first, so it is
+    kept. Where XLA reads a subnormal as 0 (XLA:CPU), both the signs and ``n`` take it as 0:
+    a slice whose ``k``-th largest magnitude is subnormal keeps all its ``n`` normal entries
+    and counts ``n < k``.
+
+    Counted from the slice itself, not from its kept entries: the count then reads the
+    gradient once (one XNNPACK reduction on a CPU), where a count of the kept signs would
+    share them with the output and have XLA write them out as an array and read them back.
+    """
+    n = jnp.sum(jnp.abs(jnp.sign(_wide(g))), axis=axes, keepdims=True)
+    return jnp.where(jnp.asarray(k) > 0, jnp.minimum(jnp.asarray(k, n.dtype), n), 0)
 
 
 def _signs_over_count(kept: jax.Array, axes: tuple[int, ...], split: tuple[str, ...],

@@ -286,7 +286,7 @@ def cast_like(shapes: Any, tree: Any) -> Any:
 
 
 def after(flag: jax.Array, tree: Any) -> Any:
-    """``tree`` (floating scalars) unchanged, but computed after the scalar ``flag``.
+    """``tree`` (floating arrays) unchanged, but computed after the scalar ``flag``.
 
     A check whose result only feeds the state (the finiteness of the updates) is otherwise
     unordered with the computation of the updates; with donated buffers XLA then copies each
