@@ -248,9 +248,8 @@ def _top_q_family(name: str, state_cls: type, q: Any, dq: Any, param_ndim: Any, 
         ranked = leaves_fn(leaves, cut.axes, k_of, cut.split)
         # Computed after the finiteness check, which reads the leaves too: with the gradients
         # donated XLA would otherwise copy each leaf to keep it for the check.
-        ranked = [stats_lib.after(finite, r) if norms.is_float(r) else r for r in ranked]
-        new_leaves = [_affine(r, grad_scale, grad_bias) if norms.is_float(g) else g
-                      for g, r in zip(leaves, ranked, strict=True)]
+        new_leaves = [_affine(stats_lib.after(finite, r), grad_scale, grad_bias)
+                      if norms.is_float(g) else g for g, r in zip(leaves, ranked, strict=True)]
         new_state = state_cls(key, q, k, state.nonfinite)
         return treedef.unflatten(new_leaves), stats_lib.commit(finite, new_state, state)
 

@@ -3,6 +3,8 @@ scan carries, collectives in the compiled HLO, and a two-process run."""
 
 from __future__ import annotations
 
+import itertools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -351,6 +353,22 @@ def test_pmap_ranks_the_slice_spread_over_the_devices():
     plain = optclip.top_q(0.7, param_ndim=None)
     np.testing.assert_array_equal(np.asarray(out).reshape(16, 4),
                                   np.asarray(plain.update(g, plain.init(g))[0]))
+
+
+def test_pmap_l1q_counts_the_non_zero_entries_of_the_whole_slice():
+    """l1q's divisor under pmap: the non-zero entries kept in the whole (16, 4) slice spread over
+    the devices, counted across them; slices with fewer non-zero entries than k, a NaN, and
+    infinities give the unsharded outputs."""
+    g = np.random.default_rng(4).normal(size=(3, 16, 4)).astype(np.float32)
+    g[0][np.random.default_rng(5).random((16, 4)) < 0.8] = 0.0
+    g[1, 3, 1] = np.nan
+    g[2, 5, 2], g[2, 9, 0] = np.inf, -np.inf
+    for q, x in itertools.product((0.3, 0.95), g):
+        tx = optclip.l1q_normalize(q, param_ndim=None, axis_name="i")
+        out = jax.pmap(lambda b: tx.update(b, tx.init(b))[0], axis_name="i")(x.reshape(8, 2, 4))
+        plain = optclip.l1q_normalize(q, param_ndim=None)
+        np.testing.assert_array_equal(np.asarray(out).reshape(16, 4),
+                                      np.asarray(plain.update(x, plain.init(x))[0]))
 
 
 SLICE_TRANSFORMS = {

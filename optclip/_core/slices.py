@@ -767,15 +767,16 @@ def l1q_leaves(leaves: list, axes_of: list, k_of: list, split_of: list, eps: Any
     :func:`top_q_kept_leaves`."""
     kept = top_q_kept_leaves(leaves, axes_of, k_of, split_of)
     return [g if axes is None else
-            (_signs_over_count(x, axes, split, eps) if split else
-             _wide(sign(x)) / _divisor(_kept_nonzero(g, axes, k), eps)).astype(g.dtype)
+            (_wide(sign(x)) / _divisor(_kept_nonzero(g, axes, k, split), eps)).astype(g.dtype)
             for g, x, axes, k, split in zip(leaves, kept, axes_of, k_of, split_of, strict=True)]
 
 
-def _kept_nonzero(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array) -> jax.Array:
+def _kept_nonzero(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array,
+                  split: tuple[str, ...]) -> jax.Array:
     """How many non-zero entries the top ``k`` of each slice of ``g`` keeps (keepdims, wide
     dtype), as a sum of the kept entries' ``|sign|`` would count them: ``min(k, n)`` for the
-    ``n`` non-zero entries of the slice, 0 for ``k = 0``, NaN where the slice holds a NaN.
+    ``n`` non-zero entries of the slice (added across the mesh axes ``split`` the slices are
+    split over), 0 for ``k = 0``, NaN where the slice holds a NaN.
 
     The top ``k`` keeps exactly ``k`` entries, all non-zero where the slice has ``k`` or more
     non-zero entries, and every non-zero entry where it has fewer. A NaN ranks first, so it is
@@ -787,15 +788,9 @@ def _kept_nonzero(g: jax.Array, axes: tuple[int, ...], k: int | jax.Array) -> ja
     gradient once (one XNNPACK reduction on a CPU), where a count of the kept signs would
     share them with the output and have XLA write them out as an array and read them back.
     """
-    n = jnp.sum(jnp.abs(jnp.sign(_wide(g))), axis=axes, keepdims=True)
+    n = norms.across(jnp.sum(jnp.abs(jnp.sign(_wide(g))), axis=axes, keepdims=True), "sum",
+                     split)
     return jnp.where(jnp.asarray(k) > 0, jnp.minimum(jnp.asarray(k, n.dtype), n), 0)
-
-
-def _signs_over_count(kept: jax.Array, axes: tuple[int, ...], split: tuple[str, ...],
-                      eps: Any) -> jax.Array:
-    signs = _wide(sign(kept))
-    count = norms.across(jnp.sum(jnp.abs(signs), axis=axes, keepdims=True), "sum", split)
-    return signs / _divisor(count, eps)
 
 
 def logged_q(q: Any, dtype: Any) -> jax.Array:
