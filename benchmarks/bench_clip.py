@@ -20,8 +20,8 @@ whatever device JAX uses:
      measured above ``--all-up-to`` leaves (one 2000-leaf compile takes 0.2-2 min on 2 cores,
      and a full run about 45 min);
    * step ratio: ``chain(T, adam)`` over ``adam`` per step on the GPT-2-small tree, the same
-     gradients every step, buffers donated, median over interleaved rounds (adam and the
-     chain alternate);
+     gradients every step, buffers donated, in interleaved rounds (adam and the chain
+     alternate): the median over rounds of the ratio of the two medians within a round;
    * floor: the memory-traffic floor of that ratio. ``adam`` moves 6 buffers the size of the
      parameters per step (reads g, m, v; writes m, v, u); a transform adds the extra passes it
      cannot fuse away (a norm needs one more read of g, a projection after adam reads the
@@ -240,13 +240,30 @@ class Stepper:
         return [self._one() for _ in range(steps)]
 
 
-def interleaved(steppers: dict[str, Stepper], rounds: int, steps: int) -> dict[str, float]:
-    """Median seconds per step of each stepper over ``rounds`` alternating rounds."""
-    times: dict[str, list[float]] = {name: [] for name in steppers}
+def interleaved(steppers: dict[str, Stepper], rounds: int, steps: int
+                ) -> dict[str, list[list[float]]]:
+    """Seconds of each step of each stepper, per round, over ``rounds`` alternating rounds."""
+    times: dict[str, list[list[float]]] = {name: [] for name in steppers}
     for _ in range(rounds):
         for name, stepper in steppers.items():
-            times[name] += stepper.run(steps)
-    return {name: statistics.median(t) for name, t in times.items()}
+            times[name].append(stepper.run(steps))
+    return times
+
+
+def median_seconds(rounds: list[list[float]]) -> float:
+    """Median seconds per step over every step of every round."""
+    return statistics.median(t for steps in rounds for t in steps)
+
+
+def ratio(times: dict[str, list[list[float]]], numerator: str, denominator: str) -> float:
+    """Median over rounds of ``numerator``'s median step over ``denominator``'s in that round.
+
+    The machine drifts between faster and slower phases that last tens of seconds and move
+    every step alike (2-core CPU: adam's step 61 ms in one round, 95-108 ms in the rounds
+    around it, with the same page faults per step), so each ratio pairs steps taken in the
+    same round before the rounds are combined."""
+    return statistics.median(statistics.median(n) / statistics.median(d)
+                             for n, d in zip(times[numerator], times[denominator]))
 
 
 def state_per_param_byte(tx: optax.GradientTransformation, params) -> float:
@@ -330,13 +347,16 @@ def global_norm_comparison(params, grads, rounds: int, steps: int) -> dict:
                                                  optax.adam(1e-3)),
     }
     steppers = {name: Stepper(tx, params, grads) for name, tx in contenders.items()}
-    ms = {name: t * 1e3 for name, t in interleaved(steppers, rounds, steps).items()}
+    times = interleaved(steppers, rounds, steps)
     return {
-        "ms": ms,
-        "optclip_vs_optax": ms["optclip.clip_by_global_norm"] / ms["optax.clip_by_global_norm"],
-        "optclip_vs_streaming": ms["optclip.clip_by_global_norm"] / ms["streaming baseline"],
-        "optax_chain_vs_adam": ms["optax chain(clip, adam)"] / ms["adam alone"],
-        "optclip_chain_vs_adam": ms["optclip chain(clip, adam)"] / ms["adam alone"],
+        "estimator": "per-round",
+        "ms": {name: median_seconds(t) * 1e3 for name, t in times.items()},
+        "optclip_vs_optax": ratio(times, "optclip.clip_by_global_norm",
+                                  "optax.clip_by_global_norm"),
+        "optclip_vs_streaming": ratio(times, "optclip.clip_by_global_norm",
+                                      "streaming baseline"),
+        "optax_chain_vs_adam": ratio(times, "optax chain(clip, adam)", "adam alone"),
+        "optclip_chain_vs_adam": ratio(times, "optclip chain(clip, adam)", "adam alone"),
     }
 
 
@@ -379,15 +399,16 @@ def measure_transform(name: str, case: Case, args, params, grads, adam: Stepper)
         chain = Stepper(optimizer(case), params, grads)
         if chain.first_s > args.slow_step:
             # Far from the targets (top-q ranking on a CPU): one warm step against adam's median.
-            medians = {"adam": statistics.median(adam.run(args.steps)), "chain": chain.first_s}
+            times = {"adam": [adam.run(args.steps)], "chain": [[chain.first_s]]}
             row["step_note"] = "one warm step (slow)"
         else:
             # A slowish step gets fewer steps per round, never fewer rounds.
             steps = max(1, min(args.steps, int(args.step_budget / max(chain.first_s, 1e-6))))
-            medians = interleaved({"adam": adam, "chain": chain}, args.rounds, steps)
-        row["step_ratio"] = medians["chain"] / medians["adam"]
-        row["step_ms"] = medians["chain"] * 1e3
-        row["adam_step_ms"] = medians["adam"] * 1e3
+            times = interleaved({"adam": adam, "chain": chain}, args.rounds, steps)
+        row["step_ratio"] = ratio(times, "chain", "adam")
+        row["step_ms"] = median_seconds(times["chain"]) * 1e3
+        row["adam_step_ms"] = median_seconds(times["adam"]) * 1e3
+        row["step_estimator"] = "per-round"
         row["step_compile_s"] = chain.compile_s
         del chain
     return row
@@ -470,6 +491,11 @@ def print_compile_reference(ratios: dict) -> None:
 def render_markdown(results: dict, device: dict | None = None) -> str:
     m, c = results["machine"], results["config"]
     header, rows = table_rows(results)
+    older = [r["name"] for r in results["transforms"]
+             if "step_ratio" in r and r.get("step_estimator") != "per-round"]
+    old_estimator = ("" if not older else
+                     " (rows timed before 2026-11-28, " + ", ".join(f"`{n}`" for n in older)
+                     + ": the ratio of the medians over all rounds)")
     lines = [
         "# Benchmarks",
         "",
@@ -537,8 +563,9 @@ def render_markdown(results: dict, device: dict | None = None) -> str:
         "  the wait short on a real model: [Compile time on large trees](compile-time.md).",
         f"* **step ×adam**: time of one `chain(T, adam)` step over one `adam` step on {gpt2},",
         "  the same gradients every step (a fresh copy, made before the clock starts) and the",
-        "  state donated; median over "
-        f"{c['rounds']} interleaved rounds of up to {c['steps']} steps each.",
+        "  state donated; in "
+        f"{c['rounds']} interleaved rounds of up to {c['steps']} steps each, the median over",
+        "  rounds of the ratio of the two medians within a round" + old_estimator + ".",
         "* **floor**: the memory-traffic floor of that ratio. `adam` moves 6 parameter-sized",
         "  buffers per step (reads the gradient and both moments, writes both moments and the",
         "  update); the floor adds the passes a transform cannot fuse away (a norm reads the",
@@ -605,11 +632,13 @@ def render_markdown(results: dict, device: dict | None = None) -> str:
         "* **noise**: on a 2-core machine, two runs of the same code have moved single figures",
         "  by up to ±40% (compile at 32 and 256 leaves, each compile timed once; the fastest",
         "  of two narrows that) and, for the steps of the slowest transforms (several times",
-        "  adam's), by up to 70%. Part of that is adam's own step, the denominator: its update",
-        "  goes into a new buffer every step, whose pages fault or not depending on what the",
-        "  step before it freed (interleaved with `top_q`, adam's step took 64 ms; beside the",
-        "  other rows 100-111 ms). The passes column is exact. Read a figure against its",
-        "  neighbours and the floor, and compare code versions in one process (`--only`).",
+        "  adam's), by up to 70%. Much of that is the machine itself: it drifts between faster",
+        "  and slower phases that last tens of seconds and move every step alike (in one",
+        "  process, adam's step took 61 ms in one round and 95-108 ms in the rounds around it,",
+        "  with the same 37.7k page faults per step, and `clip_norm`'s 71 ms against",
+        "  107-116 ms), which is why each ratio pairs the steps of one round. The passes column",
+        "  is exact. Read a figure against its neighbours and the floor, and compare code",
+        "  versions in one process (`--only`).",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|",
@@ -635,7 +664,10 @@ def render_markdown(results: dict, device: dict | None = None) -> str:
             f"`optclip.clip_by_global_norm` takes {g['optclip_vs_optax']:.3f}× optax's time and "
             f"{g['optclip_vs_streaming']:.3f}× the streaming baseline's; in a chain with adam, "
             f"optclip costs {g['optclip_chain_vs_adam']:.3f}× adam and optax "
-            f"{g['optax_chain_vs_adam']:.3f}×.",
+            f"{g['optax_chain_vs_adam']:.3f}×"
+            + (" (each ratio the median over rounds of the ratio within a round; the milliseconds"
+               " are medians over every step)." if g.get("estimator") == "per-round"
+               else "."),
             "",
         ]
     ref = results.get("compile_reference")
