@@ -20,8 +20,8 @@ whatever device JAX uses:
      measured above ``--all-up-to`` leaves (one 2000-leaf compile takes 0.2-2 min on 2 cores,
      and a full run about 45 min);
    * step ratio: ``chain(T, adam)`` over ``adam`` per step on the GPT-2-small tree, the same
-     gradients every step, buffers donated, in interleaved rounds (adam and the chain
-     alternate): the median over rounds of the ratio of the two medians within a round;
+     gradients every step, buffers donated, adam and the chain taking turns step by step: the
+     median over turns of the ratio of the two steps of a turn;
    * floor: the memory-traffic floor of that ratio. ``adam`` moves 6 buffers the size of the
      parameters per step (reads g, m, v; writes m, v, u); a transform adds the extra passes it
      cannot fuse away (a norm needs one more read of g, a projection after adam reads the
@@ -236,34 +236,29 @@ class Stepper:
         jax.block_until_ready((updates, self.state))
         return time.perf_counter() - start
 
-    def run(self, steps: int) -> list[float]:
-        return [self._one() for _ in range(steps)]
-
 
 def interleaved(steppers: dict[str, Stepper], rounds: int, steps: int
-                ) -> dict[str, list[list[float]]]:
-    """Seconds of each step of each stepper, per round, over ``rounds`` alternating rounds."""
-    times: dict[str, list[list[float]]] = {name: [] for name in steppers}
-    for _ in range(rounds):
+                ) -> dict[str, list[float]]:
+    """Seconds of each step of each stepper, the steppers taking turns step by step
+    (``rounds * steps`` turns)."""
+    times: dict[str, list[float]] = {name: [] for name in steppers}
+    for _ in range(rounds * steps):
         for name, stepper in steppers.items():
-            times[name].append(stepper.run(steps))
+            times[name].append(stepper._one())
     return times
 
 
-def median_seconds(rounds: list[list[float]]) -> float:
-    """Median seconds per step over every step of every round."""
-    return statistics.median(t for steps in rounds for t in steps)
+def ratio(times: dict[str, list[float]], numerator: str, denominator: str) -> float:
+    """Median over turns of ``numerator``'s step over ``denominator``'s step of the same turn.
 
-
-def ratio(times: dict[str, list[list[float]]], numerator: str, denominator: str) -> float:
-    """Median over rounds of ``numerator``'s median step over ``denominator``'s in that round.
-
-    The machine drifts between faster and slower phases that last tens of seconds and move
-    every step alike (2-core CPU: adam's step 61 ms in one round, 95-108 ms in the rounds
-    around it, with the same page faults per step), so each ratio pairs steps taken in the
-    same round before the rounds are combined."""
-    return statistics.median(statistics.median(n) / statistics.median(d)
-                             for n, d in zip(times[numerator], times[denominator]))
+    The machine drifts between faster and slower phases that move every step alike (2-core
+    CPU: adam's step 61 ms in one round of three steps, 95-108 ms in the rounds around it,
+    with the same page faults per step), so each ratio pairs two steps taken one after the
+    other. Eight repeats of 9 turns of ``chain(clip_by_global_norm, adam)`` against adam on a
+    quiet machine spread by 2.0% this way, 6.4% pairing rounds of 3 steps, 13.3% as the ratio
+    of the medians over all steps."""
+    return statistics.median(n / d for n, d in zip(times[numerator], times[denominator],
+                                                  strict=True))
 
 
 def state_per_param_byte(tx: optax.GradientTransformation, params) -> float:
@@ -349,8 +344,8 @@ def global_norm_comparison(params, grads, rounds: int, steps: int) -> dict:
     steppers = {name: Stepper(tx, params, grads) for name, tx in contenders.items()}
     times = interleaved(steppers, rounds, steps)
     return {
-        "estimator": "per-round",
-        "ms": {name: median_seconds(t) * 1e3 for name, t in times.items()},
+        "estimator": "per-turn",
+        "ms": {name: statistics.median(t) * 1e3 for name, t in times.items()},
         "optclip_vs_optax": ratio(times, "optclip.clip_by_global_norm",
                                   "optax.clip_by_global_norm"),
         "optclip_vs_streaming": ratio(times, "optclip.clip_by_global_norm",
@@ -399,16 +394,16 @@ def measure_transform(name: str, case: Case, args, params, grads, adam: Stepper)
         chain = Stepper(optimizer(case), params, grads)
         if chain.first_s > args.slow_step:
             # Far from the targets (top-q ranking on a CPU): one warm step against adam's median.
-            times = {"adam": [adam.run(args.steps)], "chain": [[chain.first_s]]}
+            times = {"adam": [adam._one()], "chain": [chain.first_s]}
             row["step_note"] = "one warm step (slow)"
         else:
             # A slowish step gets fewer steps per round, never fewer rounds.
             steps = max(1, min(args.steps, int(args.step_budget / max(chain.first_s, 1e-6))))
             times = interleaved({"adam": adam, "chain": chain}, args.rounds, steps)
         row["step_ratio"] = ratio(times, "chain", "adam")
-        row["step_ms"] = median_seconds(times["chain"]) * 1e3
-        row["adam_step_ms"] = median_seconds(times["adam"]) * 1e3
-        row["step_estimator"] = "per-round"
+        row["step_ms"] = statistics.median(times["chain"]) * 1e3
+        row["adam_step_ms"] = statistics.median(times["adam"]) * 1e3
+        row["step_estimator"] = "per-turn"
         row["step_compile_s"] = chain.compile_s
         del chain
     return row
@@ -492,10 +487,10 @@ def render_markdown(results: dict, device: dict | None = None) -> str:
     m, c = results["machine"], results["config"]
     header, rows = table_rows(results)
     older = [r["name"] for r in results["transforms"]
-             if "step_ratio" in r and r.get("step_estimator") != "per-round"]
+             if "step_ratio" in r and r.get("step_estimator") != "per-turn"]
     old_estimator = ("" if not older else
-                     " (rows timed before 2026-11-28, " + ", ".join(f"`{n}`" for n in older)
-                     + ": the ratio of the medians over all rounds)")
+                     " (rows timed before 2026-11-28 14:00 UTC, "
+                     + ", ".join(f"`{n}`" for n in older) + ": from rounds of several steps)")
     lines = [
         "# Benchmarks",
         "",
@@ -563,9 +558,10 @@ def render_markdown(results: dict, device: dict | None = None) -> str:
         "  the wait short on a real model: [Compile time on large trees](compile-time.md).",
         f"* **step ×adam**: time of one `chain(T, adam)` step over one `adam` step on {gpt2},",
         "  the same gradients every step (a fresh copy, made before the clock starts) and the",
-        "  state donated; in "
-        f"{c['rounds']} interleaved rounds of up to {c['steps']} steps each, the median over",
-        "  rounds of the ratio of the two medians within a round" + old_estimator + ".",
+        "  state donated; adam and the chain take turns step by step, "
+        f"{c['rounds']} x {c['steps']} turns at",
+        "  most, and the figure is the median over turns of the chain's step over adam's step",
+        "  of the same turn" + old_estimator + ".",
         "* **floor**: the memory-traffic floor of that ratio. `adam` moves 6 parameter-sized",
         "  buffers per step (reads the gradient and both moments, writes both moments and the",
         "  update); the floor adds the passes a transform cannot fuse away (a norm reads the",
@@ -636,9 +632,9 @@ def render_markdown(results: dict, device: dict | None = None) -> str:
         "  and slower phases that last tens of seconds and move every step alike (in one",
         "  process, adam's step took 61 ms in one round and 95-108 ms in the rounds around it,",
         "  with the same 37.7k page faults per step, and `clip_norm`'s 71 ms against",
-        "  107-116 ms), which is why each ratio pairs the steps of one round. The passes column",
-        "  is exact. Read a figure against its neighbours and the floor, and compare code",
-        "  versions in one process (`--only`).",
+        "  107-116 ms), which is why each ratio pairs two steps taken one after the other. The",
+        "  passes column is exact. Read a figure against its neighbours and the floor, and",
+        "  compare code versions in one process (`--only`).",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|",
@@ -665,9 +661,9 @@ def render_markdown(results: dict, device: dict | None = None) -> str:
             f"{g['optclip_vs_streaming']:.3f}× the streaming baseline's; in a chain with adam, "
             f"optclip costs {g['optclip_chain_vs_adam']:.3f}× adam and optax "
             f"{g['optax_chain_vs_adam']:.3f}×"
-            + (" (each ratio the median over rounds of the ratio within a round; the milliseconds"
-               " are medians over every step)." if g.get("estimator") == "per-round"
-               else "."),
+            + (" (each ratio the median over turns of the ratio of two steps taken one after the"
+               " other; the milliseconds are medians over every step)."
+               if g.get("estimator") == "per-turn" else "."),
             "",
         ]
     ref = results.get("compile_reference")
@@ -834,7 +830,8 @@ def parse_args(argv=None):
                         help="measure leaf counts above --all-up-to for these transforms only "
                              "(no names: a subset, one per family); default every transform")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=3, help="steps per round (at most)")
+    parser.add_argument("--steps", type=int, default=3,
+                        help="turns per round (at most; a slow step gets fewer)")
     parser.add_argument("--step-budget", type=float, default=4.0,
                         help="seconds per round and contender that set fewer steps for slow steps")
     parser.add_argument("--slow-step", type=float, default=5.0,
