@@ -209,6 +209,14 @@ def compile_seconds(tx: optax.GradientTransformation, tree, repeats: int = 1) ->
     return min(times)
 
 
+# How step ratios are taken (stored with each row), and how rows measured otherwise are named.
+ESTIMATOR = "per-turn-warm"
+OLD_ESTIMATORS = {
+    None: "timed before 2026-11-28 14:00 UTC, from rounds of several steps",
+    "per-turn": "timed before 2026-11-28 16:30 UTC, without the untimed turn",
+}
+
+
 class Stepper:
     """A jitted ``update`` with donated gradients and state, compiled once, stepped on demand.
 
@@ -223,16 +231,17 @@ class Stepper:
         self.grads = grads
         # Copies: an init may hand out one zeros buffer twice, which cannot be donated twice.
         self.state = jax.tree.map(jnp.copy, tx.init(params))
-        self.step = jax.jit(lambda g, s, p: tx.update(g, s, p), donate_argnums=(0, 1))
+        self._update = jax.jit(lambda g, s, p: tx.update(g, s, p), donate_argnums=(0, 1))
         start = time.perf_counter()
-        self._one()                                       # compile
+        self.step()                                       # compile
         self.compile_s = time.perf_counter() - start
-        self.first_s = self._one()                        # warm up
+        self.first_s = self.step()                        # warm up
 
-    def _one(self) -> float:
+    def step(self) -> float:
+        """Seconds of one step (the gradients' copy made before the clock starts)."""
         grads = jax.block_until_ready(jax.tree.map(jnp.copy, self.grads))
         start = time.perf_counter()
-        updates, self.state = self.step(grads, self.state, self.params)
+        updates, self.state = self._update(grads, self.state, self.params)
         jax.block_until_ready((updates, self.state))
         return time.perf_counter() - start
 
@@ -240,11 +249,15 @@ class Stepper:
 def interleaved(steppers: dict[str, Stepper], rounds: int, steps: int
                 ) -> dict[str, list[float]]:
     """Seconds of each step of each stepper, the steppers taking turns step by step
-    (``rounds * steps`` turns)."""
+    (``rounds * steps`` turns), after one untimed turn: a stepper's first step after another
+    stepper's compile took about ten times its usual time (adam's: 0.9-1.1 s instead of
+    0.1 s, measured on the 2-core CPU), which would have skewed the first turn's ratio."""
+    for stepper in steppers.values():
+        stepper.step()
     times: dict[str, list[float]] = {name: [] for name in steppers}
     for _ in range(rounds * steps):
         for name, stepper in steppers.items():
-            times[name].append(stepper._one())
+            times[name].append(stepper.step())
     return times
 
 
@@ -344,7 +357,7 @@ def global_norm_comparison(params, grads, rounds: int, steps: int) -> dict:
     steppers = {name: Stepper(tx, params, grads) for name, tx in contenders.items()}
     times = interleaved(steppers, rounds, steps)
     return {
-        "estimator": "per-turn",
+        "estimator": ESTIMATOR,
         "ms": {name: statistics.median(t) * 1e3 for name, t in times.items()},
         "optclip_vs_optax": ratio(times, "optclip.clip_by_global_norm",
                                   "optax.clip_by_global_norm"),
@@ -393,9 +406,9 @@ def measure_transform(name: str, case: Case, args, params, grads, adam: Stepper)
     if not args.skip_step:
         chain = Stepper(optimizer(case), params, grads)
         if chain.first_s > args.slow_step:
-            # Far from the targets (top-q ranking on a CPU): one warm step against adam's median.
-            times = {"adam": [adam._one()], "chain": [chain.first_s]}
-            row["step_note"] = "one warm step (slow)"
+            # Far from the targets (top-q ranking on a CPU): one timed turn.
+            times = interleaved({"adam": adam, "chain": chain}, 1, 1)
+            row["step_note"] = "one turn (slow)"
         else:
             # A slowish step gets fewer steps per round, never fewer rounds.
             steps = max(1, min(args.steps, int(args.step_budget / max(chain.first_s, 1e-6))))
@@ -403,7 +416,7 @@ def measure_transform(name: str, case: Case, args, params, grads, adam: Stepper)
         row["step_ratio"] = ratio(times, "chain", "adam")
         row["step_ms"] = statistics.median(times["chain"]) * 1e3
         row["adam_step_ms"] = statistics.median(times["adam"]) * 1e3
-        row["step_estimator"] = "per-turn"
+        row["step_estimator"] = ESTIMATOR
         row["step_compile_s"] = chain.compile_s
         del chain
     return row
@@ -486,11 +499,11 @@ def print_compile_reference(ratios: dict) -> None:
 def render_markdown(results: dict, device: dict | None = None) -> str:
     m, c = results["machine"], results["config"]
     header, rows = table_rows(results)
-    older = [r["name"] for r in results["transforms"]
-             if "step_ratio" in r and r.get("step_estimator") != "per-turn"]
-    old_estimator = ("" if not older else
-                     " (rows timed before 2026-11-28 14:00 UTC, "
-                     + ", ".join(f"`{n}`" for n in older) + ": from rounds of several steps)")
+    older = {how: [r["name"] for r in results["transforms"]
+                   if "step_ratio" in r and r.get("step_estimator") == estimator]
+             for estimator, how in OLD_ESTIMATORS.items()}
+    old_estimator = "".join(f" (rows {how}: " + ", ".join(f"`{n}`" for n in names) + ")"
+                            for how, names in older.items() if names)
     lines = [
         "# Benchmarks",
         "",
@@ -558,10 +571,10 @@ def render_markdown(results: dict, device: dict | None = None) -> str:
         "  the wait short on a real model: [Compile time on large trees](compile-time.md).",
         f"* **step ×adam**: time of one `chain(T, adam)` step over one `adam` step on {gpt2},",
         "  the same gradients every step (a fresh copy, made before the clock starts) and the",
-        "  state donated; adam and the chain take turns step by step, "
-        f"{c['rounds']} x {c['steps']} turns at",
-        "  most, and the figure is the median over turns of the chain's step over adam's step",
-        "  of the same turn" + old_estimator + ".",
+        "  state donated; adam and the chain take turns step by step, one untimed turn, then "
+        f"{c['rounds']} x {c['steps']}",
+        "  turns at most, and the figure is the median over turns of the chain's step over",
+        "  adam's step of the same turn" + old_estimator + ".",
         "* **floor**: the memory-traffic floor of that ratio. `adam` moves 6 parameter-sized",
         "  buffers per step (reads the gradient and both moments, writes both moments and the",
         "  update); the floor adds the passes a transform cannot fuse away (a norm reads the",
@@ -624,7 +637,8 @@ def render_markdown(results: dict, device: dict | None = None) -> str:
         "  none; this column counts the groups of a large tree). Changes are judged by",
         "  compile time too.",
         "* **state B/B**: bytes of the transform's own state per byte of parameters.",
-        "* `*`: a step slower than --slow-step seconds, timed once (no rounds).",
+        "* `*`: a step slower than --slow-step seconds: one timed turn (a step of adam, then one",
+        "  of the chain).",
         "* **noise**: on a 2-core machine, two runs of the same code have moved single figures",
         "  by up to ±40% (compile at 32 and 256 leaves, each compile timed once; the fastest",
         "  of two narrows that) and, for the steps of the slowest transforms (several times",
@@ -663,7 +677,7 @@ def render_markdown(results: dict, device: dict | None = None) -> str:
             f"{g['optax_chain_vs_adam']:.3f}×"
             + (" (each ratio the median over turns of the ratio of two steps taken one after the"
                " other; the milliseconds are medians over every step)."
-               if g.get("estimator") == "per-turn" else "."),
+               if g.get("estimator") in (ESTIMATOR, "per-turn") else "."),
             "",
         ]
     ref = results.get("compile_reference")
