@@ -490,6 +490,34 @@ def test_nonfinite_steps_are_counted(entry):
         assert _nonfinite_count(state) == before + 1, poison
 
 
+
+def _large_tree(seed: int) -> dict:
+    """A (64, 128) leaf and a (128,) one: XLA:CPU reduces arrays from about 8192 elements with
+    XNNPACK, whose maximum drops NaN (the (8, 4) trees above take XLA's own loops)."""
+    rng = np.random.default_rng(seed)
+    return {"w": jnp.asarray(rng.normal(size=(64, 128)) * 0.01, jnp.float32),
+            "b": jnp.asarray(rng.normal(size=(128,)) * 0.01, jnp.float32)}
+
+
+@entries
+def test_one_nonfinite_element_in_a_large_leaf_is_a_skipped_step(entry):
+    """One NaN, inf or -inf among 8192 elements is a non-finite step on XLA:CPU's fast
+    reduction path too: counted, and none of it in the running state (the later outputs are
+    those of the run without it)."""
+    tx = entry.make()
+    update = jax.jit(tx.update)
+    params = _large_tree(1)
+    grads = [_large_tree(seed) for seed in (10, 11, 12, 13)]
+    clean, _ = _run(update, tx.init(params), grads, params)
+    run = [grads[0]]
+    for g, (poison, where) in zip(grads[1:], ((jnp.nan, (5, 77)), (jnp.inf, (63, 0)),
+                                              (-jnp.inf, (31, 127)))):
+        run += [{**g, "w": g["w"].at[where].set(poison)}, g]
+    outs, state = _run(update, tx.init(params), run, params)
+    chex.assert_trees_all_equal(outs[2::2], clean[1:])
+    if entry.has_stats:
+        assert _nonfinite_count(state) == 3
+
 def _ord_cases():
     return [pytest.param(e, o, id=f"{e.name}-{o}") for e in ALL_ENTRIES
             if e.ord_kwargs is not None for o in (0, "l0", -1, -np.inf, np.inf, "mad")]
