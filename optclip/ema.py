@@ -677,7 +677,9 @@ def _clamped(xs: list[jax.Array], bounds: list[jax.Array], axis_name: AxisName
                                    lambda v: v, "max")
     outputs = []
     for x, w, b, e in zip(xs, wide, bounds, excess):
-        flag = norms.any_true(e > 0, axis_name)
+        # Not ``e > 0``: on a non-finite step ``e`` may be NaN (XLA's own maximum keeps it,
+        # XNNPACK's drops it), and the leaf's other elements are clamped all the same.
+        flag = norms.any_true(~(e <= 0), axis_name)
         # Lower clamp first, then the upper one: where B < 0 the result is B.
         clamped = jnp.minimum(jnp.maximum(w, -b), b).astype(x.dtype)
         outputs.append(jax.lax.select(flag, clamped, x))
