@@ -151,21 +151,27 @@ def _clipped(updates: Any, nu: Any, limit: Limit, active: jax.Array,
                         if norms.is_float(g) else g, updates, nu)
 
 
-def _squared_excess(g: jax.Array, v: jax.Array, inv_width: jax.Array, nu_weight: jax.Array,
+def _squared_excess(g: jax.Array, v: jax.Array, inv_width: jax.Array, keep_nu: jax.Array,
                     floor: jax.Array) -> jax.Array:
-    """``(g / w)**2 - max(b * nu, f)``: positive exactly where ``|g| > w sqrt(b * nu)`` (or
-    ``> w sqrt(f)``), up to rounding at the threshold, for the scalars ``1 / w``, ``b`` and
-    ``f``. No root and no absolute value (the cheap operations of XLA:CPU's fast reduction);
-    finite for every finite ``g`` and ``nu`` (a square that overflows is an element far above
-    the threshold)."""
+    """``(g / w)**2 - max(min(nu, k M), f)`` (``M`` the largest value of the dtype, ``k`` 1, or
+    0 to test against zero moments): positive exactly where ``|g| > w sqrt(nu)`` (or
+    ``> w sqrt(f)``), up to rounding at the threshold, for the scalars ``1 / w``, ``k`` and
+    ``f``. No root and no absolute value (the cheap operations of XLA:CPU's fast reduction).
+    Never NaN for a finite ``g``: a square that overflows is an element far above the
+    threshold, and an adam's ``nu`` that overflowed to ``inf`` (gradients above about
+    ``1.8e19`` in float32) counts as ``M`` (a product ``inf * 0`` or a difference
+    ``inf - inf`` would be NaN, which XLA's own reduction keeps and XNNPACK's maximum drops:
+    the step's decision would depend on the leaf's size). The one approximation: such an
+    element with a square above ``M`` too counts as clipped, where :func:`_clip` leaves it (its
+    threshold is ``inf``)."""
     # Through a barrier with the leaf (norms.apart): no broadcast of these scalars is shared
     # with the reductions of other leaves of this shape.
-    g, v, inv_width, nu_weight, floor = norms.apart(g, v, inv_width, nu_weight, floor)
+    g, v, inv_width, keep_nu, floor = norms.apart(g, v, inv_width, keep_nu, floor)
     wide = _cast(g, norms.acc_dtype(g.dtype))
     dtype = wide.dtype
+    cap = jax.lax.mul(_cast(keep_nu, dtype), np.array(np.finfo(dtype).max, dtype))
     return jax.lax.sub(jax.lax.square(jax.lax.mul(wide, _cast(inv_width, dtype))),
-                       jax.lax.max(jax.lax.mul(_cast(v, dtype), _cast(nu_weight, dtype)),
-                                   _cast(floor, dtype)))
+                       jax.lax.max(jax.lax.min(_cast(v, dtype), cap), _cast(floor, dtype)))
 
 
 def _clip_fraction(updates: Any, nu: Any, excess: Limit, active: jax.Array,

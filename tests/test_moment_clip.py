@@ -240,6 +240,26 @@ def test_nonfinite_gradients_leave_the_adam_state_unchanged(case):
     assert all(bool(jnp.isnan(x).all()) for x in jax.tree.leaves(out))
 
 
+@pytest.mark.parametrize("shape", [(8, 4), (64, 128)], ids=["xla_loop", "xnnpack"])
+@pytest.mark.parametrize("make", [
+    lambda: optclip.spam_clip(optax.adam(1e-2), clip_after=1, reset_interval=2),
+    lambda: optclip.adamw_clip(optax.adamw(1e-2), sigmas=1.0)], ids=["spam", "adamw_clip"])
+def test_finite_gradients_that_overflow_the_adams_nu_are_not_a_nonfinite_step(make, shape):
+    """An element of 3e38 makes the wrapped adam's ``nu`` infinite. The later steps are finite
+    steps (counted, not held) on both of XLA:CPU's reduction paths, also SPAM's reset steps,
+    which test against zero moments: ``inf * 0`` and ``inf - inf`` would be NaN, kept by XLA's
+    own reduction of the (8, 4) leaf and dropped by XNNPACK's maximum on the (64, 128) one."""
+    g = np.random.default_rng(4).normal(size=shape).astype(np.float32) * 1e-2
+    g[1, 2] = 3e38
+    tx = make()
+    update = jax.jit(tx.update)
+    params = {"w": jnp.zeros(shape)}
+    state = tx.init(params)
+    for _ in range(4):
+        out, state = update({"w": jnp.asarray(g)}, state, params)
+        assert np.all(np.isfinite(np.asarray(out["w"])))
+    assert int(state.nonfinite) == 0
+
 @pytest.mark.parametrize("factory", [optclip.spam_clip, optclip.adamw_clip,
                                      optclip.stable_adamw_clip])
 def test_an_inner_without_adam_moments_is_a_clear_error(factory):
