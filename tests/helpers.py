@@ -17,6 +17,8 @@ def nnx_pure(tree: Any) -> Any:
     its array, on every supported flax (``nnx.as_pure`` is newer than the floor, 0.12.0)."""
     from flax import nnx
 
+    if hasattr(nnx, "as_pure"):
+        return nnx.as_pure(tree)
     variable_types = tuple(t for t in (getattr(nnx, "Variable", None),
                                        getattr(nnx, "VariableState", None)) if t is not None)
     return jax.tree.map(lambda x: x.value if isinstance(x, variable_types) else x, tree,
