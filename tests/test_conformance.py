@@ -490,7 +490,6 @@ def test_nonfinite_steps_are_counted(entry):
         assert _nonfinite_count(state) == before + 1, poison
 
 
-
 def _large_tree(seed: int) -> dict:
     """A (64, 128) leaf and a (128,) one: XLA:CPU reduces arrays from about 8192 elements with
     XNNPACK, whose maximum drops NaN (the (8, 4) trees above take XLA's own loops)."""
@@ -517,6 +516,7 @@ def test_one_nonfinite_element_in_a_large_leaf_is_a_skipped_step(entry):
     chex.assert_trees_all_equal(outs[2::2], clean[1:])
     if entry.has_stats:
         assert _nonfinite_count(state) == 3
+
 
 def _ord_cases():
     return [pytest.param(e, o, id=f"{e.name}-{o}") for e in ALL_ENTRIES

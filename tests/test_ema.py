@@ -385,7 +385,6 @@ def test_nonfinite_step_leaves_state_unchanged(name, bad_step, index, poison):
     assert_nonfinite_step_skipped(FAMILY_ONLY[name](), seq, bad_step, index, poison)
 
 
-
 @pytest.mark.parametrize("shape", [(8, 4), (64, 128)], ids=["xla_loop", "xnnpack"])
 def test_clip_value_by_ema_clamps_the_finite_elements_of_a_nonfinite_step(shape):
     """A non-finite step holds the EMA and its output still follows the formula: the finite
@@ -400,6 +399,7 @@ def test_clip_value_by_ema_clamps_the_finite_elements_of_a_nonfinite_step(shape)
     out, _ = update(jnp.asarray(bad), state)
     bound = 0.5 * np.abs(g1)  # the EMA after one step from zeros, held over the bad step
     np.testing.assert_allclose(np.asarray(out), np.clip(bad, -bound, bound), rtol=1e-6)
+
 
 @pytest.mark.parametrize("factory", [optclip.clip_norm_by_ema, optclip.normalize_by_ema,
                                      optclip.clip_value_by_ema])

@@ -260,6 +260,7 @@ def test_finite_gradients_that_overflow_the_adams_nu_are_not_a_nonfinite_step(ma
         assert np.all(np.isfinite(np.asarray(out["w"])))
     assert int(state.nonfinite) == 0
 
+
 @pytest.mark.parametrize("factory", [optclip.spam_clip, optclip.adamw_clip,
                                      optclip.stable_adamw_clip])
 def test_an_inner_without_adam_moments_is_a_clear_error(factory):
