@@ -260,10 +260,10 @@ def _spam_tests(reset: jax.Array, root_theta: jax.Array):
     on a reset step against the reset moments (0): width 0, and any ``|g| > 0`` is a spike.
     Scalar selects only, none per element."""
     one, zero = jnp.ones_like(root_theta), jnp.zeros_like(root_theta)
-    inv_width, scale = jnp.where(reset, one, 1 / root_theta), jnp.where(reset, zero, one)
+    inv_width, keep_nu = jnp.where(reset, one, 1 / root_theta), jnp.where(reset, zero, one)
 
     def excess(g, v):
-        return _squared_excess(g, v, inv_width, scale, zero)
+        return _squared_excess(g, v, inv_width, keep_nu, zero)
 
     return jnp.where(reset, zero, root_theta), excess
 
