@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import optclip
-from tests.registry import ALL_ENTRIES, Entry, with_adam
+from tests.registry import ALL_ENTRIES, WRAPPED, Entry, with_adam
 
 # Public names that are not transform factories (functions of trees, clip functions, criteria).
 NOT_TRANSFORMS = {
@@ -103,18 +103,22 @@ def _own_state(state):
 
 
 @entries
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float8_e5m2])
 def test_low_precision_dtype_kept_and_statistics_wide(entry, dtype):
     tx = entry.make()
     params = _params(entry, dtype)
     outs, state = _run(jax.jit(tx.update), tx.init(params), _grads(entry, dtype), params)
+    # A wrapper's output is its optimizer's: optax.adam keeps its moments in the parameters'
+    # dtype, and in an 8-bit float its own first step already overflows.
+    own_output = not (entry.name in WRAPPED and jnp.dtype(dtype).itemsize == 1)
     for out, g in zip(outs, _grads(entry, dtype)):
         chex.assert_trees_all_equal_dtypes(out, g)
-        assert all(np.all(np.isfinite(np.asarray(x, np.float32))) for x in jax.tree.leaves(out))
+        assert not own_output or all(np.all(np.isfinite(np.asarray(x, np.float32)))
+                                     for x in jax.tree.leaves(out))
     # The wrapper's own statistics must be wide (optax.adam keeps its moments in the
     # parameters' dtype).
     for leaf in _float_leaves(_own_state(state)):
-        assert jnp.asarray(leaf).dtype not in (jnp.bfloat16, jnp.float16), "narrow statistics"
+        assert jnp.asarray(leaf).dtype.itemsize >= 4, "narrow statistics"
 
 
 @entries

@@ -154,8 +154,12 @@ def all_finite(tree: Any, axis_name: norms.AxisName = None) -> jax.Array:
     arrays = [x for x in leaves if x.size != 1]
     values = [x.reshape(()) for x in leaves if x.size == 1] + norms.leaf_reductions(
         arrays, nan_marks)
-    local = (jnp.all(jnp.isfinite(norms.gather_scalars(values))) if values
-             else jnp.asarray(True))
+    if not values:
+        return norms.all_true(jnp.asarray(True), axis_name)
+    # One dtype for the vector, upcast explicitly (exact, so a value stays finite or not):
+    # 8-bit floats have no implicit promotion, and a list may mix them with float32 values.
+    wide = jnp.result_type(*{norms.acc_dtype(v.dtype) for v in values})
+    local = jnp.all(jnp.isfinite(norms.gather_scalars([v.astype(wide) for v in values])))
     return norms.all_true(local, axis_name)
 
 
