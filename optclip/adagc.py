@@ -100,7 +100,7 @@ def adagc(
     checks.positive("lambda_rel", lambda_rel, allow_schedule=True)
     checks.in_range("beta", beta, 0.0, 1.0, high_inclusive=False)
     checks.integer("warmup_steps", warmup_steps, low=1)
-    checks.non_negative("eps", eps)
+    checks.non_negative("eps", eps, finite=True)
     norms.check_axis_name(axis_name)
 
     def init_fn(params):

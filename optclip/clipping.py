@@ -279,7 +279,7 @@ def normalize_grads(
       [1.2000000476837158, 1.600000023841858]
     """
     ord = _check_slices(ord, dim, inverse_dims, min_size, axis_name)
-    checks.positive("norm_value", norm_value)
+    checks.positive("norm_value", norm_value, finite=True)
     return _normalized(grads, norm_value, ord, dim, inverse_dims, min_size, None, axis_name)[0]
 
 
@@ -516,8 +516,8 @@ def normalize(
       >>> [x.round(5).tolist() for x in tx.update(g, tx.init(g))[0]]
       [[0.46154, 0.61538], 1.84615]
     """
-    checks.positive("norm_value", norm_value, allow_schedule=True)
-    checks.positive("eps", eps, allow_none=True)
+    checks.positive("norm_value", norm_value, allow_schedule=True, finite=True)
+    checks.positive("eps", eps, allow_none=True, finite=True)
     ord = _check_slices(ord, dim, inverse_dims, min_size, axis_name)
 
     def measure(tree, target):
@@ -632,7 +632,7 @@ def zscore_normalize(eps: float = 1e-8, axis_name: AxisName = None
       >>> tx.update(g, tx.init(g))[0].round(6).tolist()
       [0.707107, -0.707107]
     """
-    checks.positive("eps", eps)
+    checks.positive("eps", eps, finite=True)
     norms.check_axis_name(axis_name)
 
     def measured(g):

@@ -216,7 +216,7 @@ def _norm_by_ema(divisor_rule, state_cls, beta, ord, eps, tensorwise, max_ema_gr
     _check_ema_args(beta, ema_init)
     norms.check_axis_name(axis_name)
     ord = norms.canonical_ord(ord)
-    checks.non_negative("eps", eps)
+    checks.non_negative("eps", eps, finite=True)
     checks.boolean("tensorwise", tensorwise)
     checks.positive("max_ema_growth", max_ema_growth, allow_none=True, allow_schedule=True)
 

@@ -154,15 +154,15 @@ def _check_fw(learning_rate: Any, use_default_lr_schedule: Any, eps: Any,
               axis_name: Any) -> None:
     checks.boolean("use_default_lr_schedule", use_default_lr_schedule)
     high = None if use_default_lr_schedule else 1.0
-    checks.in_range("learning_rate", learning_rate, 0.0, high)
-    checks.non_negative("eps", eps)
+    checks.in_range("learning_rate", learning_rate, 0.0, high, finite=True)
+    checks.non_negative("eps", eps, finite=True)
     norms.check_axis_name(axis_name)
 
 
 def _check_ball(epsilon: Any, learning_rate: Any, use_default_lr_schedule: Any, param_ndim: Any,
                 eps: Any, axis_name: Any) -> None:
     """Validation shared by the Frank-Wolfe transforms over a ball of radius ``epsilon``."""
-    checks.non_negative("epsilon", epsilon, allow_schedule=True)
+    checks.non_negative("epsilon", epsilon, allow_schedule=True, finite=True)
     _check_fw(learning_rate, use_default_lr_schedule, eps, axis_name)
     axes_lib.check_param_ndim_spec(param_ndim)
 
@@ -255,7 +255,7 @@ def frank_wolfe(lmo_scaling_factor: float = 1.0, learning_rate: float = 2.0,
     ``l1q_normalize``...), or use :func:`l1_frank_wolfe` and friends.
 
     Args:
-      lmo_scaling_factor: ``c``, the radius of the constraint set (any real).
+      lmo_scaling_factor: ``c``, the radius of the constraint set (any finite real).
       learning_rate: ``lr``, ``>= 0`` (``<= 1`` when the schedule is off).
       use_default_lr_schedule: use ``α_t = lr / (lr + t)`` instead of a constant ``lr``.
       eps: lower bound of the schedule's divisor, ``>= 0``.

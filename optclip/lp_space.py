@@ -92,7 +92,7 @@ def sign(grad_scale: float = 1.0, grad_bias: float = 0.0) -> optax.GradientTrans
     ``axis_name`` either: inside ``shard_map`` it needs nothing combined across devices.
 
     Args:
-      grad_scale: multiplies the signed gradient.
+      grad_scale: multiplies the signed gradient (a finite real, as is ``grad_bias``).
       grad_bias: then added to every element (zeros included).
 
     Returns:
@@ -126,7 +126,7 @@ def _lp_normalize(ord: float, state_cls: type, name: str, param_ndim: int | None
                   ) -> optax.GradientTransformation:
     axes_lib.check_param_ndim_spec(param_ndim)
     norms.check_axis_name(axis_name)
-    checks.non_negative("eps", eps)
+    checks.non_negative("eps", eps, finite=True)
     _check_affine(grad_scale, grad_bias)
 
     def apply(updates):
@@ -355,7 +355,7 @@ def l1q_normalize(q: float, dq: float = 0.0, param_ndim: int | None = -1, eps: f
       >>> optax.apply_updates(x, u).tolist()  # the new x
       [1.0, 0.10000002384185791, 0.10000002384185791]
     """
-    checks.non_negative("eps", eps)
+    checks.non_negative("eps", eps, finite=True)
     return _top_q_family("l1q_normalize", L1qState, q, dq, param_ndim, seed,
                          lambda *cut: slices.l1q_leaves(*cut, eps),
                          grad_scale, grad_bias, axis_name)

@@ -519,7 +519,7 @@ def stable_adamw_clip(
     """
     inner = _check_inner(inner)
     checks.in_range("b2", b2, 0.0, 1.0, high_inclusive=False)
-    checks.non_negative("eps", eps)
+    checks.non_negative("eps", eps, finite=True)
     norms.check_axis_name(axis_name)
 
     def init_fn(params):

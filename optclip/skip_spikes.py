@@ -198,7 +198,7 @@ def skip_spikes(
     checks.integer("window", window, low=2)
     checks.integer("warmup_steps", warmup_steps, low=2)
     checks.integer("max_consecutive", max_consecutive, low=1, allow_none=True)
-    checks.non_negative("eps", eps)
+    checks.non_negative("eps", eps, finite=True)
     norms.check_axis_name(axis_name)
     make = _zscore_detector(alpha, eps) if detector == "zscore" else _mad_detector(window, eps)
     rule = _Rule(*make, warmup_steps=warmup_steps, threshold=threshold,

@@ -165,7 +165,7 @@ def adaptive_grad_clip(
       [0.1, 0.0]
     """
     checks.positive("clipping", clipping, allow_schedule=True)
-    checks.positive("eps", eps)
+    checks.positive("eps", eps, finite=True)
     axes_lib.check_dim(dim, allow_global=False, allow_per_leaf=True)
     norms.check_axis_name(axis_name)
     unit_dim = flax_unit_axes() if dim is None else dim

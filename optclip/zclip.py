@@ -216,7 +216,7 @@ def _check_args(alpha, z_thresh, max_grad_norm, eps, warmup_steps, mode, clip_op
     checks.in_range("alpha", alpha, 0.0, 1.0)
     checks.positive("z_thresh", z_thresh, allow_schedule=True)
     checks.positive("max_grad_norm", max_grad_norm, allow_none=True, allow_schedule=True)
-    checks.non_negative("eps", eps)
+    checks.non_negative("eps", eps, finite=True)
     checks.positive("clip_factor", clip_factor, allow_schedule=True)
     checks.boolean("skip_update_on_spike", skip_update_on_spike)
     running.check_parity(parity)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import functools
+import inspect
+import math
+import re
 
 import chex
 import jax
@@ -182,6 +185,42 @@ def test_bad_hyperparameters_rejected_at_construction(entry):
     for kwargs, name in entry.bad_args:
         with pytest.raises((ValueError, TypeError), match=_whole_word(name)):
             factory(**kwargs)
+
+
+def _numeric_parameters(factory) -> list[str]:
+    """The factory's parameters that take a number: those with a float default or annotated
+    as a float (or schedule), and the required ones other than a wrapped optimizer."""
+    return [name for name, p in inspect.signature(factory).parameters.items()
+            if isinstance(p.default, float)
+            or re.search(r"\bfloat\b|ScalarOrSchedule", str(p.annotation))
+            or (p.default is inspect.Parameter.empty and name != "inner")]
+
+
+@entries
+def test_an_infinite_hyperparameter_is_rejected_or_keeps_the_outputs_finite(entry):
+    """``±inf`` for any numeric hyperparameter is either an error at construction naming the
+    parameter, or a bound that is off (a clip threshold of ``inf`` clips nothing): finite
+    gradients never give non-finite outputs (an infinite ``eps``, scale or target norm would)."""
+    factory = _factory(entry)
+    # The others at a valid value: the required ones, and the optional numbers that are off by
+    # default (None), which some constructions need one of (clamp's bounds).
+    numeric = _numeric_parameters(factory)
+    base = {name: optax.adam(1e-2) if name == "inner" else 0.5
+            for name, p in inspect.signature(factory).parameters.items()
+            if p.default is inspect.Parameter.empty or (p.default is None and name in numeric)}
+    factory(**base)
+    params, grads = _params(entry), _grads(entry)
+    for name in numeric:
+        for value in (math.inf, -math.inf):
+            try:
+                tx = factory(**{**base, name: value})
+            except (ValueError, TypeError) as error:
+                assert re.search(_whole_word(name), str(error)), (name, value, error)
+                continue
+            assert name != "eps", f"eps={value} accepted: a stabilizer must be finite"
+            outs, _ = _run(jax.jit(tx.update), tx.init(params), grads, params)
+            assert all(np.all(np.isfinite(np.asarray(x, np.float32)))
+                       for out in outs for x in _float_leaves(out)), (name, value)
 
 
 # Layouts of the default tree {"w": (8, 4), "b": (4,)}: data/FSDP (w split by rows), tensor

@@ -57,8 +57,11 @@ def in_range(
     high_inclusive: bool = True,
     allow_schedule: bool = False,
     allow_none: bool = False,
+    finite: bool = False,
 ) -> None:
-    """Check that ``value`` lies in the interval given by ``low``/``high``."""
+    """Check that ``value`` lies in the interval given by ``low``/``high`` (and, with
+    ``finite``, is not infinite: a value that would turn finite gradients into non-finite
+    outputs, or a stabilizer such as ``eps``)."""
     if value is None:
         if allow_none:
             return
@@ -70,25 +73,32 @@ def in_range(
         raise ValueError(f"{name} must be a number, got nan")
     lo_ok = low is None or (v >= low if low_inclusive else v > low)
     hi_ok = high is None or (v <= high if high_inclusive else v < high)
-    if lo_ok and hi_ok and not np.isnan(v):
+    if lo_ok and hi_ok and not np.isnan(v) and not (finite and np.isinf(v)):
         return
     parts = []
     if low is not None:
         parts.append(f"{'>=' if low_inclusive else '>'} {low:g}")
     if high is not None:
         parts.append(f"{'<=' if high_inclusive else '<'} {high:g}")
-    raise ValueError(f"{name} must be {' and '.join(parts)}, got {v!r}")
+    if finite:
+        parts.append("finite")
+    raise ValueError(f"{name} must be {' and '.join(parts) or 'a number'}, got {v!r}")
 
 
-def positive(name: str, value: Any, *, allow_schedule: bool = False, allow_none: bool = False):
-    """``value > 0`` (or a schedule / traced value when allowed)."""
+def positive(name: str, value: Any, *, allow_schedule: bool = False, allow_none: bool = False,
+             finite: bool = False):
+    """``value > 0`` (or a schedule / traced value when allowed); ``finite``: as in
+    :func:`in_range`."""
     in_range(name, value, 0.0, low_inclusive=False, allow_schedule=allow_schedule,
-             allow_none=allow_none)
+             allow_none=allow_none, finite=finite)
 
 
-def non_negative(name: str, value: Any, *, allow_schedule: bool = False, allow_none: bool = False):
-    """``value >= 0`` (or a schedule / traced value when allowed)."""
-    in_range(name, value, 0.0, allow_schedule=allow_schedule, allow_none=allow_none)
+def non_negative(name: str, value: Any, *, allow_schedule: bool = False, allow_none: bool = False,
+                 finite: bool = False):
+    """``value >= 0`` (or a schedule / traced value when allowed); ``finite``: as in
+    :func:`in_range`."""
+    in_range(name, value, 0.0, allow_schedule=allow_schedule, allow_none=allow_none,
+             finite=finite)
 
 
 def static(name: str, value: Any) -> None:

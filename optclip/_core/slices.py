@@ -26,15 +26,20 @@ def is_number(value: Any) -> bool:
 
 
 def check_real(name: str, value: Any) -> None:
-    """Any finite-or-infinite real (no range); NaN and non-numbers are rejected."""
-    checks.in_range(name, value)
+    """Any finite real (no range): an infinite scale or bias would make every output
+    non-finite; NaN and non-numbers are rejected."""
+    checks.in_range(name, value, finite=True)
 
 
 def check_bounds(clamp_min: Any, clamp_max: Any) -> None:
     if clamp_min is None and clamp_max is None:
         raise ValueError("clamp_min and clamp_max cannot both be None; set at least one bound")
-    checks.in_range("clamp_min", clamp_min, allow_none=True, allow_schedule=True)
-    checks.in_range("clamp_max", clamp_max, allow_none=True, allow_schedule=True)
+    # An infinite bound on its own side is no bound; on the other side it would set every
+    # element to that infinity.
+    checks.in_range("clamp_min", clamp_min, high=math.inf, high_inclusive=False,
+                    allow_none=True, allow_schedule=True)
+    checks.in_range("clamp_max", clamp_max, low=-math.inf, low_inclusive=False,
+                    allow_none=True, allow_schedule=True)
     if (checks.is_concrete_number(clamp_min) and checks.is_concrete_number(clamp_max)
             and float(np.asarray(clamp_min)) > float(np.asarray(clamp_max))):
         raise ValueError(f"clamp_min must be <= clamp_max, got clamp_min={clamp_min!r} > "
