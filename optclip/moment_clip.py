@@ -447,7 +447,10 @@ def adamw_clip(
                                np.asarray(min_threshold, s.dtype))
 
         inv_width = 1 / width
-        floor = jnp.square(jnp.asarray(min_threshold, stat) * inv_width)
+        # Capped at the dtype's largest value: an overflow to inf (a tiny sigmas) would make
+        # the test inf - inf, NaN, and hold the step.
+        floor = jnp.minimum(jnp.square(jnp.asarray(min_threshold, stat) * inv_width),
+                            jnp.finfo(stat).max)
         one = jnp.ones_like(width)
 
         def excess(g, v):
@@ -488,7 +491,8 @@ def stable_adamw_clip(
     Args:
       inner: an adam-style optimizer (see :func:`spam_clip`); extra arguments are forwarded.
       b2: the wrapped adam's ``b2`` (it forms ``nu_hat``), in ``[0, 1)``.
-      eps: floor of ``sqrt(nu_hat)`` in the ratio, ``>= 0``.
+      eps: floor of ``sqrt(nu_hat)`` in the ratio, ``>= 0`` (below the smallest normal
+        number of the statistics dtype, that number: a zero gradient has ratio 0).
       axis_name: inside ``shard_map``/``pmap``, the mesh axis name(s) (a name or a tuple) the
         leaves are split over: each tensor's sum of squared ratios is combined across
         devices with ``psum``, so every device keeps the same state. Not needed under
@@ -567,7 +571,9 @@ def _update_rms(updates: Any, nu: Any, b2: float, correction: jax.Array, eps: fl
 
     Plain sums of squares cannot overflow here: ``nu_new >= (1 - b2) g**2``, so every ratio is
     at most ``sqrt(correction / (1 - b2))`` in magnitude (about 32 for ``b2 = 0.999``), and a
-    ``g**2`` beyond the dtype's range makes ``nu_new`` infinite and the ratio 0.
+    ``g**2`` beyond the dtype's range makes ``nu_new`` infinite and the ratio 0. ``eps`` is
+    taken as at least the dtype's smallest normal number: with ``eps = 0`` an all-zero
+    gradient would be ``0 / 0``.
     """
     def ratio(g, v):
         # lax operations, as in _clip. The root of the correction is taken per leaf: one root
@@ -576,7 +582,8 @@ def _update_rms(updates: Any, nu: Any, b2: float, correction: jax.Array, eps: fl
         # The scalars through a barrier with the leaf, as in _squared_excess.
         g, v, b2_, rest, root_c, eps_ = norms.apart(
             g, v, np.asarray(b2, wide), np.asarray(1 - b2, wide),
-            _cast(jax.lax.sqrt(correction), wide), np.asarray(eps, wide))
+            _cast(jax.lax.sqrt(correction), wide),
+            np.asarray(max(eps, np.finfo(wide).tiny), wide))
         x = _cast(g, wide)
         v_new = jax.lax.add(jax.lax.mul(b2_, _cast(v, wide)), jax.lax.mul(rest, jax.lax.square(x)))
         root = jax.lax.div(norms.safe_sqrt(v_new), root_c)

@@ -197,10 +197,12 @@ def _numeric_parameters(factory) -> list[str]:
 
 
 @entries
-def test_an_infinite_hyperparameter_is_rejected_or_keeps_the_outputs_finite(entry):
-    """``±inf`` for any numeric hyperparameter is either an error at construction naming the
-    parameter, or a bound that is off (a clip threshold of ``inf`` clips nothing): finite
-    gradients never give non-finite outputs (an infinite ``eps``, scale or target norm would)."""
+def test_an_extreme_hyperparameter_is_rejected_or_keeps_the_outputs_finite(entry):
+    """Any numeric hyperparameter at ``±inf``, 0, a float32 subnormal (``1e-40``) or ``1e30``
+    is either an error at construction naming the parameter, or keeps finite gradients' outputs
+    finite, on all-zero and constant gradients too: an infinite bound is no bound (a clip
+    threshold of ``inf`` clips nothing), but an infinite ``eps``, scale or target norm, or one
+    that rounds to 0 in float32 and divides 0 by 0, is a silent wrong answer."""
     factory = _factory(entry)
     # The others at a valid value: the required ones, and the optional numbers that are off by
     # default (None), which some constructions need one of (clamp's bounds).
@@ -210,15 +212,17 @@ def test_an_infinite_hyperparameter_is_rejected_or_keeps_the_outputs_finite(entr
             if p.default is inspect.Parameter.empty or (p.default is None and name in numeric)}
     factory(**base)
     params, grads = _params(entry), _grads(entry)
+    steps = [jax.tree.map(jnp.zeros_like, grads[0]),
+             jax.tree.map(lambda g: jnp.full_like(g, 0.25), grads[0]), *grads]
     for name in numeric:
-        for value in (math.inf, -math.inf):
+        for value in (math.inf, -math.inf, 0.0, 1e-40, 1e30):
             try:
                 tx = factory(**{**base, name: value})
             except (ValueError, TypeError) as error:
                 assert re.search(_whole_word(name), str(error)), (name, value, error)
                 continue
-            assert name != "eps", f"eps={value} accepted: a stabilizer must be finite"
-            outs, _ = _run(jax.jit(tx.update), tx.init(params), grads, params)
+            assert not (name == "eps" and math.isinf(value)), "a stabilizer must be finite"
+            outs, _ = _run(jax.jit(tx.update), tx.init(params), steps, params)
             assert all(np.all(np.isfinite(np.asarray(x, np.float32)))
                        for out in outs for x in _float_leaves(out)), (name, value)
 

@@ -85,12 +85,24 @@ def in_range(
     raise ValueError(f"{name} must be {' and '.join(parts) or 'a number'}, got {v!r}")
 
 
+def smallest_positive() -> float:
+    """The smallest positive value a threshold may take: the smallest normal number of the
+    statistics dtype (float32's; float64's under x64). Below it a value rounds to a subnormal,
+    which XLA flushes to zero in many kernels, or to 0 itself: a positive ``eps``, bound or
+    width of ``1e-40`` would divide by zero in float32."""
+    return float(np.finfo(np.float64 if jax.config.jax_enable_x64 else np.float32).tiny)
+
+
 def positive(name: str, value: Any, *, allow_schedule: bool = False, allow_none: bool = False,
              finite: bool = False):
-    """``value > 0`` (or a schedule / traced value when allowed); ``finite``: as in
-    :func:`in_range`."""
+    """``value > 0``, in fact at least :func:`smallest_positive` (or a schedule / traced value
+    when allowed); ``finite``: as in :func:`in_range`."""
     in_range(name, value, 0.0, low_inclusive=False, allow_schedule=allow_schedule,
              allow_none=allow_none, finite=finite)
+    if is_concrete_number(value) and float(np.asarray(value)) < smallest_positive():
+        dtype = "float64" if jax.config.jax_enable_x64 else "float32"
+        raise ValueError(f"{name} must be at least {smallest_positive():.3g} ({dtype}'s "
+                         f"smallest normal number), got {float(np.asarray(value))!r}")
 
 
 def non_negative(name: str, value: Any, *, allow_schedule: bool = False, allow_none: bool = False,
