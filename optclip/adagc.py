@@ -115,7 +115,7 @@ def adagc(
         floats = [i for i, x in enumerate(leaves) if norms.is_float(x)]
         count = state.count
         vector, global_norm = _norms([leaves[i] for i in floats], updates, axis_name)
-        abs_thresh = checks.resolve(lambda_abs, count, global_norm.dtype)
+        abs_thresh = checks.resolve(lambda_abs, count, global_norm.dtype, name="lambda_abs")
         rule = _Rule(count, count < warmup_steps,
                      jnp.minimum(1.0, abs_thresh / (global_norm + eps)), lambda_rel, beta, eps)
         # A NaN/Inf anywhere makes the global norm non-finite: no separate pass to find it.
@@ -155,7 +155,7 @@ class _Rule(NamedTuple):
 def _decide(norm: jax.Array, gamma: jax.Array, rule: _Rule) -> tuple[jax.Array, jax.Array]:
     """The factors and the new ``gamma`` of a group of leaves, as vectors (one entry per leaf,
     in the group's statistics dtype)."""
-    rel_thresh = checks.resolve(rule.lambda_rel, rule.count, gamma.dtype)
+    rel_thresh = checks.resolve(rule.lambda_rel, rule.count, gamma.dtype, name="lambda_rel")
     local = jnp.minimum(1.0, rel_thresh * gamma / (norm + rule.eps))
     scale = jnp.where(rule.warm, rule.warm_scale.astype(gamma.dtype), local)
     clipped_norm = scale * norm

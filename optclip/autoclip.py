@@ -156,7 +156,7 @@ def quantile_clip(
     checks.in_range("quantile", quantile, 0.0, 1.0, allow_schedule=True)
 
     def threshold_fn(history, filled, step):
-        q = checks.resolve(quantile, step, history.dtype)
+        q = checks.resolve(quantile, step, history.dtype, name="quantile")
         return running.history_quantile(history, filled, q)
 
     return _autoclip(threshold_fn, history_length, global_threshold, QuantileClipState,
@@ -216,7 +216,7 @@ def standard_clip(
 
     def threshold_fn(history, filled, step):
         mean, std = _history_mean_std(history, filled)
-        spread = checks.resolve(deviations, step, history.dtype) * std
+        spread = checks.resolve(deviations, step, history.dtype, name="deviations") * std
         threshold = mean + spread if add_mean else spread
         return jnp.where(filled >= min_filled, threshold, jnp.inf)
 

@@ -322,7 +322,7 @@ def clip_value(value: ScalarOrSchedule, axis_name: AxisName = None
 
     def update_fn(updates, state, params=None):
         del params
-        bound = checks.resolve(value, state.count)
+        bound = checks.resolve(value, state.count, name="value")
         # Step time: on large leaves XLA:CPU's integer maximum of the magnitude bits (one
         # NaN-exact reduction) ran about 2x slower than a float maximum plus a finiteness sum.
         leaves, treedef = jax.tree.flatten(updates)
@@ -387,7 +387,7 @@ def clip_by_global_norm(max_norm: ScalarOrSchedule = 1.0, ord: Ord = 2,
 
     def update_fn(updates, state, params=None):
         del params
-        bound = checks.resolve(max_norm, state.count, norms.stat_dtype())
+        bound = checks.resolve(max_norm, state.count, norms.stat_dtype(), name="max_norm")
         norm = norms.global_norm(updates, ord, axis_name)
         factor = slices.clip_multiplier(norm, bound.astype(norm.dtype))
         new_updates = jax.tree.map(lambda g: norms.scale(g, factor), updates)
@@ -463,7 +463,7 @@ def clip_norm(
 
     def update_fn(updates, state, params=None):
         del params
-        bound = checks.resolve(max_norm, state.count, norms.stat_dtype())
+        bound = checks.resolve(max_norm, state.count, norms.stat_dtype(), name="max_norm")
         new_updates, measured = measure(updates, bound)
         finite = _finite(ord, updates, measured, axis_name)
         if _whole_leaves(measured):
@@ -533,7 +533,7 @@ def normalize(
 
     def update_fn(updates, state, params=None):
         del params
-        target = checks.resolve(norm_value, state.count, norms.stat_dtype())
+        target = checks.resolve(norm_value, state.count, norms.stat_dtype(), name="norm_value")
         new_updates, measured = measure(updates, target)
         finite = _finite(ord, updates, measured, axis_name)
         if per_slice and _whole_leaves(measured):

@@ -223,7 +223,8 @@ def _norm_by_ema(divisor_rule, state_cls, beta, ord, eps, tensorwise, max_ema_gr
     def update_fn(updates, state, params=None):
         del params
         first = state.count == 0
-        growth = None if max_ema_growth is None else checks.resolve(max_ema_growth, state.count)
+        growth = (None if max_ema_growth is None
+                  else checks.resolve(max_ema_growth, state.count, name="max_ema_growth"))
         leaves, (old,), treedef = trees.flatten_with(updates, state.ema)
         floats = [i for i, x in enumerate(leaves) if norms.is_float(x)]
 

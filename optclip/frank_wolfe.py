@@ -195,7 +195,8 @@ def _fw_leaves(updates: Any, params: Any, lmo, cut: slices.Slicing, k_of: list, 
 def _frank_wolfe(name: str, lmo, scaling: Any, learning_rate: Any, schedule: bool,
                  fw_eps: Any, param_ndim: Any, axis_name: norms.AxisName,
                  fraction: slices.DropFraction | None = None,
-                 measure=None, joint=None) -> optax.GradientTransformation:
+                 measure=None, joint=None, scaling_name: str = "epsilon"
+                 ) -> optax.GradientTransformation:
     """Frank-Wolfe with ``direction = lmo(g, axes, split, k)``; ``fraction`` draws the L1q
     ``k`` per leaf (its state is :class:`L1qFrankWolfeState`); ``measure(leaves, cut,
     axis_name) -> (k per leaf, per-leaf finiteness flags)`` instead measures what the LMO needs
@@ -213,7 +214,8 @@ def _frank_wolfe(name: str, lmo, scaling: Any, learning_rate: Any, schedule: boo
         slices.require_params(params, name)
         # A schedule for the radius is resolved at the count of finite steps; a number keeps
         # the double-precision products of _fw_coefficients.
-        scale_now = checks.resolve(scaling, state.count) if callable(scaling) else scaling
+        scale_now = (checks.resolve(scaling, state.count, name=scaling_name) if callable(scaling)
+                     else scaling)
         alpha, a, b = _fw_coefficients(state.count, learning_rate, scale_now, schedule, fw_eps,
                                        state.alpha.dtype)
         leaves = jax.tree.leaves(updates)
@@ -285,7 +287,8 @@ def frank_wolfe(lmo_scaling_factor: float = 1.0, learning_rate: float = 2.0,
     slices.check_real("lmo_scaling_factor", lmo_scaling_factor)
     _check_fw(learning_rate, use_default_lr_schedule, eps, axis_name)
     return _frank_wolfe("frank_wolfe", lambda g, axes, split, k: g, lmo_scaling_factor,
-                        learning_rate, use_default_lr_schedule, eps, None, axis_name)
+                        learning_rate, use_default_lr_schedule, eps, None, axis_name,
+                        scaling_name="lmo_scaling_factor")
 
 
 def l1_frank_wolfe(epsilon: float, learning_rate: float = 2.0,

@@ -76,8 +76,10 @@ class _Limits(NamedTuple):
 
 
 def _limits_at(count: jax.Array, *values) -> _Limits:
-    """Each float-or-schedule limit resolved at ``count`` (the number of finite steps)."""
-    return _Limits(*(None if v is None else checks.resolve(v, count) for v in values))
+    """Each float-or-schedule limit (in :class:`_Limits`'s order) resolved at ``count`` (the
+    number of finite steps)."""
+    return _Limits(*(None if v is None else checks.resolve(v, count, name=name)
+                     for v, name in zip(values, _Limits._fields, strict=True)))
 
 
 def _may_overflow(max_decay) -> bool:

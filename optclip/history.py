@@ -238,7 +238,7 @@ def ema_criterion(
         return norm / jnp.where(mean != 0, mean, 1)
 
     def threshold(state):
-        return checks.resolve(r_thresh, state.step, state.mean.dtype)
+        return checks.resolve(r_thresh, state.step, state.mean.dtype, name="r_thresh")
 
     def should_clip(state, norm):
         return (state.mean != 0) & (ratio(state.mean, norm) > threshold(state))
@@ -313,7 +313,7 @@ def zscore_criterion(
         return jnp.abs((norm - state.mean) / (jnp.sqrt(state.var) + _ZSTAT_EPS))
 
     def threshold(state):
-        return checks.resolve(z_thresh, state.step, state.mean.dtype)
+        return checks.resolve(z_thresh, state.step, state.mean.dtype, name="z_thresh")
 
     def should_clip(state, norm):
         return (state.mean != 0) & (abs_z(state, norm) > threshold(state))

@@ -345,7 +345,7 @@ def spam_clip(
         in_period = step if reset_interval is None else step % reset_interval
         active = (step >= clip_after) & (in_period >= clip_after)
         root_theta = norms.safe_sqrt(checks.resolve(threshold, state.count,
-                                                    norms.stat_dtype(updates)))
+                                                    norms.stat_dtype(updates), name="threshold"))
         nu = _nu_tree(updates, _moment_state(state.inner).nu)
 
         width, excess = _spam_tests(reset, root_theta)
@@ -438,7 +438,7 @@ def adamw_clip(
         active = (seen > 0) & (seen + 1 > warmup_steps)
         stat = norms.stat_dtype(updates)
         root_correction = jnp.sqrt(_bias_correction(b2, seen)).astype(stat)
-        width = checks.resolve(sigmas, seen, stat) / root_correction
+        width = checks.resolve(sigmas, seen, stat, name="sigmas") / root_correction
         nu = _nu_tree(updates, moments.nu)
 
         def limit(g, v):

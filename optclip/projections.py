@@ -234,7 +234,7 @@ def project_l2_ball(epsilon: float, param_ndim: int | None = -1, *, exact: bool 
         return jnp.where(norm > bound, bound / (norm + jnp.asarray(renorm_eps, norm.dtype)), 1)
 
     return _projection("project_l2_ball", measure, apply, ProjectL2BallState,
-                       lambda count: checks.resolve(epsilon, count), axis_name)
+                       lambda count: checks.resolve(epsilon, count, name="epsilon"), axis_name)
 
 
 def _box_projection(name: str, state_cls: type, bounds, axis_name: norms.AxisName
@@ -288,7 +288,7 @@ def project_linf_ball(epsilon: float, *, axis_name: norms.AxisName = None
     checks.non_negative("epsilon", epsilon, allow_schedule=True)
 
     def bounds(count):
-        radius = checks.resolve(epsilon, count)
+        radius = checks.resolve(epsilon, count, name="epsilon")
         return -radius, radius
 
     return _box_projection("project_linf_ball", ProjectLinfBallState, bounds, axis_name)

@@ -263,13 +263,14 @@ class _Rule(NamedTuple):
 
     def judge(self, state, norm, loss) -> _Verdict:
         dtype = norm.dtype
-        thresh = checks.resolve(self.threshold, state.step, dtype)
+        thresh = checks.resolve(self.threshold, state.step, dtype, name="threshold")
         score, spike = self._flag(state.norm_stats, norm, thresh, state)
         finite = jnp.isfinite(norm)
         loss_score, loss_stats = jnp.zeros((), dtype), state.loss_stats
         if loss is not None:
             finite = finite & jnp.isfinite(loss)
-            loss_thresh = checks.resolve(self.loss_threshold, state.step, dtype)
+            loss_thresh = checks.resolve(self.loss_threshold, state.step, dtype,
+                                         name="loss_threshold")
             loss_score, loss_spike = self._flag(state.loss_stats, loss, loss_thresh, state)
             spike = spike | loss_spike
             loss_stats = self.update(state.loss_stats, loss, state.accepted)

@@ -224,7 +224,7 @@ def adaptive_grad_clip(
         if params is None:
             raise ValueError("adaptive_grad_clip needs the parameters: call "
                              "update(updates, state, params)")
-        bound = checks.resolve(clipping, state.count, norms.stat_dtype())
+        bound = checks.resolve(clipping, state.count, norms.stat_dtype(), name="clipping")
         # The gradient norms see every NaN/Inf: no separate pass over the gradients to find one.
         new_updates, ratio, clipped, finite = measure(updates, params, bound, state.max_ratio)
         finite = norms.all_true(finite, axis_name)

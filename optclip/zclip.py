@@ -149,7 +149,8 @@ def zclip(
         dtype = state.mean.dtype
         norm = norms.global_norm(updates, 2.0, axis_name).astype(dtype)
         warm = state.count < steps
-        cap = None if max_grad_norm is None else checks.resolve(max_grad_norm, state.step, dtype)
+        cap = (None if max_grad_norm is None
+               else checks.resolve(max_grad_norm, state.step, dtype, name="max_grad_norm"))
         mean, var = state.mean, state.var
         std = norms.safe_sqrt(var)
         spike, threshold, detect = rule(norm, mean, std, state.step, dtype)
@@ -176,7 +177,7 @@ def _rule(norm, mean, std, step, dtype, *, z_thresh, mode, eps, clip_option, cli
           fixed):
     """(spike, threshold, detect) of the active phase: whether this norm is a spike, the norm
     a spike is clipped to, and the norm above which a call counts as one."""
-    z_limit = checks.resolve(z_thresh, step, dtype)
+    z_limit = checks.resolve(z_thresh, step, dtype, name="z_thresh")
     if mode == "percentile":
         threshold = mean + z_limit * std
         spike, detect = norm > threshold, threshold
@@ -185,7 +186,7 @@ def _rule(norm, mean, std, step, dtype, *, z_thresh, mode, eps, clip_option, cli
         z = (norm - mean) / (std + eps)
         spike = z > z_limit
         threshold = (mean if clip_option == "mean" else checks.resolve(
-            clip_factor, step, dtype) * (mean + z_limit * std / (z / z_limit)))
+            clip_factor, step, dtype, name="clip_factor") * (mean + z_limit * std / (z / z_limit)))
     if fixed:  # a variance of 0 carries no information; detect nothing yet.
         spike = spike & ~_constant(mean, std)
     return spike, threshold, detect

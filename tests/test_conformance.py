@@ -500,6 +500,18 @@ def test_every_threshold_takes_a_schedule(entry, name):
 
 
 @pytest.mark.parametrize(("entry", "name"), _threshold_cases())
+def test_a_schedule_that_returns_an_array_is_an_error_naming_the_threshold(entry, name):
+    """A schedule must give a scalar: an array would broadcast against the leaves or change
+    the state's shapes. The error names the parameter, raised while tracing ``update``."""
+    kwargs = entry.thresholds[name]
+    value = kwargs[name]
+    tx = _factory(entry)(**{**kwargs, name: lambda count: jnp.full((2,), value)})
+    params = _params(entry)
+    with pytest.raises(TypeError, match=_whole_word(name) + ".*scalar"):
+        jax.eval_shape(tx.update, _grads(entry)[0], tx.init(params), params)
+
+
+@pytest.mark.parametrize(("entry", "name"), _threshold_cases())
 def test_a_nonfinite_step_does_not_advance_a_schedule(entry, name):
     """The step after a skipped (non-finite) one sees the threshold of the skipped step."""
     kwargs = entry.thresholds[name]

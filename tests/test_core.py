@@ -122,7 +122,7 @@ def test_checks_accept_schedules_and_traced_values():
     checks.positive("max_norm", jnp.asarray(1.0), allow_schedule=True)
     checks.positive("max_norm", np.float32(2.0))
     checks.positive("eps", None, allow_none=True)
-    assert float(checks.resolve(lambda count: 2.0 * count, jnp.asarray(3))) == 6.0
+    assert float(checks.resolve(lambda count: 2.0 * count, jnp.asarray(3), name="x")) == 6.0
 
 
 # ---------------------------------------------------------------------------------------------

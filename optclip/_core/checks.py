@@ -148,14 +148,22 @@ def boolean(name: str, value: Any) -> None:
         raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
-def resolve(value: ScalarOrSchedule, count: jax.Array, dtype=None) -> jax.Array:
-    """The value of a float-or-schedule hyperparameter at step ``count``.
+def resolve(value: ScalarOrSchedule, count: jax.Array, dtype=None, *, name: str) -> jax.Array:
+    """The value of the float-or-schedule hyperparameter ``name`` at step ``count``.
 
     ``dtype`` defaults to the statistics dtype (float32; float64 under x64), so a float64 leaf
-    compares against a float64 threshold, not one rounded through float32.
+    compares against a float64 threshold, not one rounded through float32. A schedule (or an
+    array that ``optax.inject_hyperparams`` hands in) must give a scalar: anything else is a
+    ``TypeError`` naming the parameter, raised while tracing (it would otherwise broadcast
+    against the leaves, or change the shape of the state).
     """
-    if callable(value):
+    scheduled = callable(value)
+    if scheduled:
         value = value(count)
+    if np.ndim(value) != 0:
+        source = "its schedule returned" if scheduled else "got"
+        raise TypeError(f"{name} must be a scalar, but {source} an array of shape "
+                        f"{np.shape(value)}")
     if dtype is None:
         dtype = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
     return jnp.asarray(value, dtype=dtype)

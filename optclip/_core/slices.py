@@ -851,7 +851,8 @@ class DropFraction:
 
 def bounds_at(count: jax.Array, low: Any, high: Any) -> tuple[Any, Any]:
     """Float-or-schedule bounds (``None``: unbounded) resolved at ``count``."""
-    return tuple(None if b is None else checks.resolve(b, count) for b in (low, high))
+    return tuple(None if b is None else checks.resolve(b, count, name=name)
+                 for b, name in ((low, "clamp_min"), (high, "clamp_max")))
 
 
 def clamped_leaves(tree: Any, low: Any, high: Any, axis_name: norms.AxisName
