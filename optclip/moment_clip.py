@@ -444,7 +444,7 @@ def adamw_clip(
         def limit(g, v):
             s = _sqrt_nu(v, g)
             return jax.lax.max(jax.lax.mul(_cast(width, s.dtype), s),
-                               np.asarray(min_threshold, s.dtype))
+                               jnp.asarray(min_threshold, s.dtype))
 
         inv_width = 1 / width
         # Capped at the dtype's largest value: an overflow to inf (a tiny sigmas) would make
@@ -581,9 +581,9 @@ def _update_rms(updates: Any, nu: Any, b2: float, correction: jax.Array, eps: fl
         wide = norms.acc_dtype(g.dtype)
         # The scalars through a barrier with the leaf, as in _squared_excess.
         g, v, b2_, rest, root_c, eps_ = norms.apart(
-            g, v, np.asarray(b2, wide), np.asarray(1 - b2, wide),
+            g, v, jnp.asarray(b2, wide), jnp.asarray(1 - b2, wide),
             _cast(jax.lax.sqrt(correction), wide),
-            np.asarray(max(eps, np.finfo(wide).tiny), wide))
+            jnp.maximum(jnp.asarray(eps, wide), jnp.finfo(wide).tiny))
         x = _cast(g, wide)
         v_new = jax.lax.add(jax.lax.mul(b2_, _cast(v, wide)), jax.lax.mul(rest, jax.lax.square(x)))
         root = jax.lax.div(norms.safe_sqrt(v_new), root_c)

@@ -511,6 +511,41 @@ def test_a_schedule_that_returns_an_array_is_an_error_naming_the_threshold(entry
         jax.eval_shape(tx.update, _grads(entry)[0], tx.init(params), params)
 
 
+# The arguments a factory cannot do without, for the transforms built with their defaults.
+_REQUIRED = {"value": 1.0, "max_norm": 1.0, "q": 0.3, "epsilon": 1.0, "clipping": 0.05,
+             "inner": optax.adam(1e-2)}
+
+
+@entries
+def test_inject_hyperparams_traces_every_number_or_names_the_static_ones(entry):
+    """Convention 4: ``optax.inject_hyperparams`` turns every numeric argument, defaults
+    included, into an array that ``update`` sees traced. Each one either works traced (the
+    steps equal the plain transform's) or is structural, and then building it says so,
+    naming it and ``static_args``; listed there, the transform works."""
+    factory = _factory(entry)
+    signature = inspect.signature(factory).parameters
+    required = {name: _REQUIRED[name] for name, p in signature.items()
+                if p.default is inspect.Parameter.empty}
+    # The arguments of the first threshold too (clamp needs a bound; others take an int).
+    required.update(next(iter(entry.thresholds.values()), {}))
+    params = _params(entry)
+    static: list[str] = []
+    while True:
+        injected = optax.inject_hyperparams(factory, static_args=tuple(static))(**required)
+        try:
+            state = injected.init(params)
+            break
+        except TypeError as err:
+            named = re.match(r"(\w+) is static configuration", str(err))
+            assert named and named[1] in signature and named[1] not in static, str(err)
+            assert f"static_args=('{named[1]}',)" in str(err)
+            static.append(named[1])
+    plain = factory(**required)
+    outs, _ = _run(jax.jit(injected.update), state, _grads(entry), params)
+    plain_outs, _ = _run(jax.jit(plain.update), plain.init(params), _grads(entry), params)
+    chex.assert_trees_all_close(outs, plain_outs, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize(("entry", "name"), _threshold_cases())
 def test_a_nonfinite_step_does_not_advance_a_schedule(entry, name):
     """The step after a skipped (non-finite) one sees the threshold of the skipped step."""
