@@ -132,7 +132,7 @@ def adagc(
         committed = {name: jnp.where(finite, leafvec.assemble(parts, group_list, old), old)
                      for name, parts in fields.items() for old in [getattr(state, name)]}
         return treedef.unflatten(outputs), AdaGCState(
-            count=jnp.where(finite, count + 1, count),
+            count=stats_lib.step_count(count, finite),
             nonfinite=stats_lib.count_nonfinite(state.nonfinite, finite), **committed)
 
     return checks.transformation(init_fn, update_fn, pairs_leaves=True)

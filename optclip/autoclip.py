@@ -99,7 +99,7 @@ def _autoclip(threshold_fn, history_length, global_threshold, state_cls, axis_na
             pos=keep((state.pos + 1) % history_length, state.pos),
             filled=keep(jnp.minimum(state.filled + 1, history_length), state.filled),
             history=keep(history, state.history), **diag,
-            nonfinite=state.nonfinite + (~finite).astype(jnp.int32),
+            nonfinite=stats_lib.count_nonfinite(state.nonfinite, finite),
             step=stats_lib.step_count(state.step, finite))
 
     return checks.transformation(init_fn, update_fn, pairs_leaves=per_leaf)

@@ -499,9 +499,10 @@ def _hist_clip(criterion, warmup_transform, warmup_steps, feedback, parity, per_
             updates, scale, state._asdict(), norm=norm, threshold=threshold,
             scale=scale)
         new = state._replace(
-            count=jnp.minimum(count + 1, steps + 1), warmup_norms=buffer, criterion=crit,
-            warmup_state=inner, spikes=state.spikes + jnp.sum(~warm & should & (scale < 1),
-                                                              dtype=jnp.int32))
+            count=jnp.minimum(optax.safe_increment(count), steps + 1), warmup_norms=buffer,
+            criterion=crit, warmup_state=inner,
+            spikes=stats_lib.tally(state.spikes, jnp.sum(~warm & should & (scale < 1),
+                                                          dtype=jnp.int32)))
         # A non-finite norm leaves the statistics as they were (only counted); the
         # diagnostics keep their last finite entries.
         committed = stats_lib.commit(jnp.all(jnp.isfinite(norm)), new, state)

@@ -339,7 +339,7 @@ def spam_clip(
             jnp.zeros((), bool), zero, zero))
 
     def update_fn(updates, state, params=None, **extra_args):
-        step = state.count + 1
+        step = optax.safe_increment(state.count)
         reset = (jnp.zeros((), bool) if reset_interval is None
                  else step % reset_interval == 0)
         in_period = step if reset_interval is None else step % reset_interval

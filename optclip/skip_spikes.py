@@ -287,19 +287,19 @@ class _Rule(NamedTuple):
         keep = functools.partial(stats_lib.keep_if, ~skip)
         return SkipSpikesState(
             inner=new_inner,
-            step=state.step + 1,
-            accepted=state.accepted + (~skip).astype(jnp.int32),
+            step=optax.safe_increment(state.step),
+            accepted=stats_lib.tally(state.accepted, ~skip),
             norm_stats=keep(self.update(state.norm_stats, norm, state.accepted),
                             state.norm_stats),
             loss_stats=keep(verdict.loss_stats, state.loss_stats),
             skipped=skip,
-            consecutive=jnp.where(skip, state.consecutive + 1, 0),
-            total_skipped=state.total_skipped + skip.astype(jnp.int32),
+            consecutive=jnp.where(skip, optax.safe_increment(state.consecutive), 0),
+            total_skipped=stats_lib.tally(state.total_skipped, skip),
             score=stats_lib.keep_finite(verdict.score, state.score),
             threshold=verdict.threshold,
             norm=stats_lib.keep_finite(norm, state.norm),
             loss_score=stats_lib.keep_finite(verdict.loss_score, state.loss_score),
-            forced=state.forced + verdict.forced.astype(jnp.int32),
+            forced=stats_lib.tally(state.forced, verdict.forced),
             nonfinite=stats_lib.count_nonfinite(state.nonfinite, verdict.finite))
 
 

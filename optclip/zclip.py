@@ -163,7 +163,7 @@ def zclip(
             count=optax.safe_increment(state.count), warmup_norms=buffer,
             mean=new_mean.astype(dtype), var=new_var.astype(dtype), norm=norm,
             threshold=jnp.where(jnp.isinf(limit), norm, limit).astype(dtype), scale=scale,
-            clipped=scale < 1, spikes=state.spikes + (~warm & spike).astype(jnp.int32),
+            clipped=scale < 1, spikes=stats_lib.tally(state.spikes, ~warm & spike),
             nonfinite=state.nonfinite, step=optax.safe_increment(state.step))
         finite = jnp.isfinite(norm)
         # The step's own scale and flag are logged even when its norm was not finite.

@@ -592,6 +592,47 @@ def _large_tree(seed: int) -> dict:
             "b": jnp.asarray(rng.normal(size=(128,)) * 0.01, jnp.float32)}
 
 
+# The int32 scalars of the states that count steps or events without a bound of their own.
+_COUNTERS = ("count", "step", "nonfinite", "spikes", "accepted", "total_skipped", "forced")
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def _counter_at(state, value):
+    def put(path, x):
+        counter = getattr(path[-1], "name", None) in _COUNTERS if path else False
+        return jnp.full_like(x, value) if counter and x.dtype == jnp.int32 and not x.ndim else x
+    return jax.tree_util.tree_map_with_path(put, state)
+
+
+def _counters(state) -> dict[str, int]:
+    return {jax.tree_util.keystr(path): int(x)
+            for path, x in jax.tree_util.tree_flatten_with_path(state)[0]
+            if getattr(path[-1], "name", None) in _COUNTERS and x.dtype == jnp.int32
+            and not x.ndim}
+
+
+@pytest.mark.parametrize("entry", [e for e in ALL_ENTRIES if e.has_stats], ids=str)
+def test_counters_saturate_instead_of_wrapping(entry):
+    """Every stateful transform's step and event counters saturates at the int32 maximum, as
+    ``optax.safe_increment`` does: none wraps to a negative number (which would restart a
+    warm-up or a schedule), and the steps go on giving finite updates."""
+    tx, params, grads = entry.make(), _params(entry), _grads(entry)
+    update = jax.jit(tx.update)
+    _, state = update(grads[0], tx.init(params), params)
+    state = _counter_at(state, _INT32_MAX)
+    assert _counters(state), "no counter found"
+    nan = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.nan)
+                       if jnp.issubdtype(x.dtype, jnp.inexact) and x.size else x, grads[1])
+    for step, g in enumerate((grads[1], nan, grads[2])):
+        out, state = update(g, state, params)
+        counters = _counters(state)
+        assert min(counters.values()) >= 0, (step, counters)
+        if step != 1:
+            assert all(bool(jnp.all(jnp.isfinite(x))) for x in _float_leaves(out))
+    nonfinite = [n for key, n in counters.items() if key.endswith(".nonfinite")]
+    assert nonfinite and all(n == _INT32_MAX for n in nonfinite), counters
+
+
 @entries
 def test_one_nonfinite_element_in_a_large_leaf_is_a_skipped_step(entry):
     """One NaN, inf or -inf among 8192 elements is a non-finite step on XLA:CPU's fast

@@ -214,7 +214,15 @@ def step_count(count: jax.Array, finite: jax.Array) -> jax.Array:
 
 def count_nonfinite(nonfinite: jax.Array, finite: jax.Array) -> jax.Array:
     """The ``nonfinite`` counter after a step whose updates were ``finite`` (a scalar bool)."""
-    return nonfinite + (~finite).astype(jnp.int32)
+    return tally(nonfinite, ~finite)
+
+
+def tally(counter: jax.Array, added: jax.Array) -> jax.Array:
+    """``counter + added`` for an int32 ``counter`` and a non-negative ``added`` (a bool counts
+    1), saturating at the int32 maximum as ``optax.safe_increment`` does: a counter never
+    wraps to a negative number."""
+    added = jnp.asarray(added).astype(counter.dtype)
+    return counter + jnp.minimum(added, jnp.iinfo(counter.dtype).max - counter)
 
 
 def commit(finite: jax.Array, new: Any, old: Any) -> Any:
