@@ -196,6 +196,16 @@ def _numeric_parameters(factory) -> list[str]:
             or (p.default is inspect.Parameter.empty and name != "inner")]
 
 
+def _valid_kwargs(factory) -> dict:
+    """Arguments that build ``factory``'s transform with its defaults: the required ones, and
+    the optional numbers that are off by default (None), which some constructions need one of
+    (clamp's bounds), at 0.5; a wrapped optimizer is ``optax.adam``."""
+    numeric = _numeric_parameters(factory)
+    return {name: optax.adam(1e-2) if name == "inner" else 0.5
+            for name, p in inspect.signature(factory).parameters.items()
+            if p.default is inspect.Parameter.empty or (p.default is None and name in numeric)}
+
+
 @entries
 def test_an_extreme_hyperparameter_is_rejected_or_keeps_the_outputs_finite(entry):
     """Any numeric hyperparameter at ``±inf``, 0, a float32 subnormal (``1e-40``) or ``1e30``
@@ -204,12 +214,8 @@ def test_an_extreme_hyperparameter_is_rejected_or_keeps_the_outputs_finite(entry
     threshold of ``inf`` clips nothing), but an infinite ``eps``, scale or target norm, or one
     that rounds to 0 in float32 and divides 0 by 0, is a silent wrong answer."""
     factory = _factory(entry)
-    # The others at a valid value: the required ones, and the optional numbers that are off by
-    # default (None), which some constructions need one of (clamp's bounds).
     numeric = _numeric_parameters(factory)
-    base = {name: optax.adam(1e-2) if name == "inner" else 0.5
-            for name, p in inspect.signature(factory).parameters.items()
-            if p.default is inspect.Parameter.empty or (p.default is None and name in numeric)}
+    base = _valid_kwargs(factory)
     factory(**base)
     params, grads = _params(entry), _grads(entry)
     steps = [jax.tree.map(jnp.zeros_like, grads[0]),
@@ -511,11 +517,6 @@ def test_a_schedule_that_returns_an_array_is_an_error_naming_the_threshold(entry
         jax.eval_shape(tx.update, _grads(entry)[0], tx.init(params), params)
 
 
-# The arguments a factory cannot do without, for the transforms built with their defaults.
-_REQUIRED = {"value": 1.0, "max_norm": 1.0, "q": 0.3, "epsilon": 1.0, "clipping": 0.05,
-             "inner": optax.adam(1e-2)}
-
-
 @entries
 def test_inject_hyperparams_traces_every_number_or_names_the_static_ones(entry):
     """Convention 4: ``optax.inject_hyperparams`` turns every numeric argument, defaults
@@ -524,10 +525,8 @@ def test_inject_hyperparams_traces_every_number_or_names_the_static_ones(entry):
     naming it and ``static_args``; listed there, the transform works."""
     factory = _factory(entry)
     signature = inspect.signature(factory).parameters
-    required = {name: _REQUIRED[name] for name, p in signature.items()
-                if p.default is inspect.Parameter.empty}
-    # The arguments of the first threshold too (clamp needs a bound; others take an int).
-    required.update(next(iter(entry.thresholds.values()), {}))
+    # Those of the first threshold too (some take an int, which must then be static).
+    required = {**_valid_kwargs(factory), **next(iter(entry.thresholds.values()), {})}
     params = _params(entry)
     static: list[str] = []
     while True:
@@ -597,18 +596,20 @@ _COUNTERS = ("count", "step", "nonfinite", "spikes", "accepted", "total_skipped"
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
 
+def _is_counter(path, x) -> bool:
+    return (bool(path) and getattr(path[-1], "name", None) in _COUNTERS
+            and x.dtype == jnp.int32 and not x.ndim)
+
+
 def _counter_at(state, value):
-    def put(path, x):
-        counter = getattr(path[-1], "name", None) in _COUNTERS if path else False
-        return jnp.full_like(x, value) if counter and x.dtype == jnp.int32 and not x.ndim else x
-    return jax.tree_util.tree_map_with_path(put, state)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.full_like(x, value) if _is_counter(path, x) else x, state)
 
 
 def _counters(state) -> dict[str, int]:
     return {jax.tree_util.keystr(path): int(x)
             for path, x in jax.tree_util.tree_flatten_with_path(state)[0]
-            if getattr(path[-1], "name", None) in _COUNTERS and x.dtype == jnp.int32
-            and not x.ndim}
+            if _is_counter(path, x)}
 
 
 @pytest.mark.parametrize("entry", [e for e in ALL_ENTRIES if e.has_stats], ids=str)

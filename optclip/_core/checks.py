@@ -85,12 +85,17 @@ def in_range(
     raise ValueError(f"{name} must be {' and '.join(parts) or 'a number'}, got {v!r}")
 
 
+def _hyper_dtype() -> np.dtype:
+    """The dtype hyperparameters are resolved in: float32, float64 under x64."""
+    return np.dtype(np.float64 if jax.config.jax_enable_x64 else np.float32)
+
+
 def smallest_positive() -> float:
     """The smallest positive value a threshold may take: the smallest normal number of the
     statistics dtype (float32's; float64's under x64). Below it a value rounds to a subnormal,
     which XLA flushes to zero in many kernels, or to 0 itself: a positive ``eps``, bound or
     width of ``1e-40`` would divide by zero in float32."""
-    return float(np.finfo(np.float64 if jax.config.jax_enable_x64 else np.float32).tiny)
+    return float(np.finfo(_hyper_dtype()).tiny)
 
 
 def positive(name: str, value: Any, *, allow_schedule: bool = False, allow_none: bool = False,
@@ -99,10 +104,9 @@ def positive(name: str, value: Any, *, allow_schedule: bool = False, allow_none:
     when allowed); ``finite``: as in :func:`in_range`."""
     in_range(name, value, 0.0, low_inclusive=False, allow_schedule=allow_schedule,
              allow_none=allow_none, finite=finite)
-    if is_concrete_number(value) and float(np.asarray(value)) < smallest_positive():
-        dtype = "float64" if jax.config.jax_enable_x64 else "float32"
-        raise ValueError(f"{name} must be at least {smallest_positive():.3g} ({dtype}'s "
-                         f"smallest normal number), got {float(np.asarray(value))!r}")
+    if is_concrete_number(value) and (v := float(np.asarray(value))) < smallest_positive():
+        raise ValueError(f"{name} must be at least {smallest_positive():.3g} "
+                         f"({_hyper_dtype().name}'s smallest normal number), got {v!r}")
 
 
 def non_negative(name: str, value: Any, *, allow_schedule: bool = False, allow_none: bool = False,
@@ -164,9 +168,7 @@ def resolve(value: ScalarOrSchedule, count: jax.Array, dtype=None, *, name: str)
         source = "its schedule returned" if scheduled else "got"
         raise TypeError(f"{name} must be a scalar, but {source} an array of shape "
                         f"{np.shape(value)}")
-    if dtype is None:
-        dtype = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
-    return jnp.asarray(value, dtype=dtype)
+    return jnp.asarray(value, dtype=_hyper_dtype() if dtype is None else dtype)
 
 
 def is_concrete_number(value: Any) -> bool:
