@@ -17,9 +17,10 @@ against a candidate that finishes both sums of a leaf in one kernel
 (:func:`_two_stage_partials`).
 
 ``ranking`` (not yet run on a GPU): ``top_q`` and ``l1q_normalize`` with the library's
-bisection on the bits of ``|g|`` against two candidates: one that sorts each row
-(:func:`_sorted_top_k_masks`), and one that finds the cut four bits a round in unrolled
-rounds and keeps the ties by a running count (:func:`_radix_top_k_masks`).
+bisection on the bits of ``|g|`` against three candidates: the same bisection with all leaves
+in one loop, one that sorts each row (:func:`_sorted_top_k_masks`), and one that finds the cut
+four bits a round in unrolled rounds and keeps the ties by a running count
+(:func:`_radix_top_k_masks`).
 
     python benchmarks/bench_device_ab.py gates grouping stages ranking
 
@@ -230,8 +231,12 @@ RANKING_FORMS = {"sort": _sorted_top_k_masks, "radix": _radix_top_k_masks}
 
 
 def ranking(setup) -> dict:
-    return _case_forms(setup, RANKED, {"bisection": None, **{
-        form: (slices, "top_k_masks", masks) for form, masks in RANKING_FORMS.items()}})
+    # "one loop": the library's bisection with every leaf in one loop. The library ranks
+    # leaves in groups of about a million entries, a loop each, for a CPU's caches; on a GPU
+    # that is some hundred loops (and tie-break conditionals) one after the other on GPT-2.
+    return _case_forms(setup, RANKED, {
+        "bisection": None, "one loop": (slices, "RANK_GROUP_ENTRIES", 1 << 62),
+        **{form: (slices, "top_k_masks", masks) for form, masks in RANKING_FORMS.items()}})
 
 
 EXPERIMENTS = {"gates": gates, "grouping": grouping, "stages": stages, "ranking": ranking}
