@@ -450,7 +450,7 @@ def machine() -> dict:
             "python": platform.python_version(), "jax": jax.__version__,
             "jaxlib": getattr(jax.lib, "__version__", None) or jax.__version__,
             "optax": optax.__version__, "optclip": optclip.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")}
 
 
 def _fmt(value, spec=".2f") -> str:

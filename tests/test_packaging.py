@@ -41,6 +41,45 @@ print("ok")
 """
 
 
+def _lowest_python(spec: str) -> tuple[int, ...]:
+    """The lowest Python version a ``Requires-Python`` specifier admits (its ``>=`` bound)."""
+    bounds = [tuple(int(part) for part in clause.strip()[2:].strip().split("."))
+              for clause in spec.split(",") if clause.strip().startswith(">=")]
+    assert bounds, f"no >= bound in {spec!r}"
+    return max(bounds)
+
+
+def test_the_declared_python_is_one_every_floor_version_installs_on():
+    """``requires-python`` may not admit a Python on which the oldest versions of the
+    dependencies (``.ci/floor.txt``, the floors ``pyproject.toml`` declares) do not install:
+    pip would accept optclip there and then fail on jax. Read from the metadata of the
+    packages installed at their floor version, so it is checked in the floor run of
+    ``make test``."""
+    import importlib.metadata
+    import tomllib
+
+    declared = _lowest_python(tomllib.loads((ROOT / "pyproject.toml").read_text())
+                              ["project"]["requires-python"])
+    pins = dict(line.split("==") for line in (ROOT / ".ci" / "floor.txt").read_text().split()
+                if "==" in line)
+    checked = []
+    for name, version in pins.items():
+        try:
+            if importlib.metadata.version(name) != version:
+                continue
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        theirs = importlib.metadata.metadata(name).get("Requires-Python")
+        if theirs:
+            assert declared >= _lowest_python(theirs), (
+                f"requires-python admits Python {declared}, but {name} {version} (a floor in "
+                f".ci/floor.txt) needs {theirs}")
+        checked.append(name)
+    if not checked:
+        pytest.skip("no dependency is installed at its floor version: checked by the floor "
+                    "run of make test")
+
+
 def test_import_without_flax():
     done = subprocess.run([sys.executable, "-c", BLOCK_FLAX], capture_output=True, text=True,
                           cwd=ROOT, timeout=120)
