@@ -186,13 +186,26 @@ def arrays(tree: Any) -> Any:
     return jax.tree.map(lambda x: jnp.asarray(x) if isinstance(x, float) else x, tree)
 
 
+def on_device(tree: Any) -> Any:
+    """``tree`` with NumPy leaves as JAX arrays (the others as they are).
+
+    A state read back from a checkpoint without jax (flax msgpack, pickle after
+    ``jax.device_get``) holds NumPy arrays; a step called outside ``jax.jit`` then gets them
+    as they are, and the state updates that write into an array (``x.at[i].set(v)``) need a
+    JAX array. Under ``jax.jit`` the leaves are tracers already: nothing changes.
+    """
+    return jax.tree.map(lambda x: jnp.asarray(x) if isinstance(x, (np.ndarray, np.generic))
+                        else x, tree)
+
+
 def transformation(init_fn: Callable[[Any], Any], update_fn: Callable[..., Any], *,
                    extra_args: bool = False, pairs_leaves: bool = False
                    ) -> optax.GradientTransformation:
     """The ``optax.GradientTransformation`` of ``init_fn``/``update_fn``, with the tree contract.
 
     Every transform is built here, so all of them: see Python-float leaves as 0-d arrays
-    (:func:`arrays`), and refuse an ``update`` on a tree that does not match the one ``init``
+    (:func:`arrays`), take a state of NumPy arrays outside ``jax.jit`` (:func:`on_device`),
+    and refuse an ``update`` on a tree that does not match the one ``init``
     was given (:func:`matches_init`, a trace-time check naming the leaf).
 
     ``pairs_leaves=True`` for a transform whose state pairs values with leaves by position
@@ -219,6 +232,7 @@ def transformation(init_fn: Callable[[Any], Any], update_fn: Callable[..., Any],
 
     def update(updates, state, params=None, **extra):
         updates = arrays(updates)
+        state = on_device(state)
         matches_init(init_fn, updates, state, built, pairs_leaves)
         return update_fn(updates, state, None if params is None else arrays(params), **extra)
 
