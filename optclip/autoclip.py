@@ -50,13 +50,16 @@ class StandardClipState(NamedTuple):
     step: jax.Array
 
 
-def _history_mean_std(history: jax.Array, filled: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Mean and unbiased std of the valid slots over the last axis (NaN std for one slot)."""
+def _history_mean_std(history: jax.Array, filled: jax.Array, min_filled: int
+                      ) -> tuple[jax.Array, jax.Array]:
+    """Mean and unbiased std of the valid slots over the last axis, where at least
+    ``min_filled`` (1 or 2) are: with 1, the std of one slot is NaN (torch's). Below it both
+    are 0, a value the caller discards: no 0/0 is formed for ``jax_debug_nans`` to flag."""
     valid = jnp.arange(history.shape[-1]) < filled
     k = filled.astype(history.dtype)
-    mean = jnp.sum(jnp.where(valid, history, 0), axis=-1) / k
+    mean = jnp.sum(jnp.where(valid, history, 0), axis=-1) / jnp.maximum(k, 1)
     squares = jnp.sum(jnp.where(valid, (history - mean[..., None]) ** 2, 0), axis=-1)
-    return mean, norms.safe_sqrt(squares / (k - 1))
+    return mean, norms.safe_sqrt(squares / jnp.where(k >= min_filled, k - 1, 1))
 
 
 def _autoclip(threshold_fn, history_length, global_threshold, state_cls, axis_name):
@@ -215,7 +218,7 @@ def standard_clip(
     min_filled = 1 if parity == "reference" else 2
 
     def threshold_fn(history, filled, step):
-        mean, std = _history_mean_std(history, filled)
+        mean, std = _history_mean_std(history, filled, min_filled)
         spread = checks.resolve(deviations, step, history.dtype, name="deviations") * std
         threshold = mean + spread if add_mean else spread
         return jnp.where(filled >= min_filled, threshold, jnp.inf)

@@ -255,7 +255,7 @@ def _norm_by_ema(divisor_rule, state_cls, beta, ord, eps, tensorwise, max_ema_gr
             # output factors leave through a select on the predicate (the same values): passed
             # through by both branches, XLA would take them from the operands instead.
             return ([move(i, measured=False) * rows[i][1].astype(old[i].dtype) for i in floats],
-                    [jax.lax.select(ok, f, jnp.full_like(f, jnp.nan)) for f in out_factors])
+                    [jax.lax.select(ok, f, jnp.zeros_like(f)) for f in out_factors])
 
         def hold():
             return [old[i] for i in floats], out_factors

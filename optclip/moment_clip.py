@@ -237,8 +237,11 @@ def _gated_step(inner, finite, updates, inner_state, params, extra_args, prepare
 
 
 def _nan_unless(ok: jax.Array, x: jax.Array) -> jax.Array:
-    """``x`` where the scalar ``ok`` holds, else NaN (one select)."""
-    return jax.lax.select(ok, x, jax.lax.full_like(x, jnp.nan))
+    """``x`` where the scalar ``ok`` holds, else NaN: ``x`` times ``1/1`` or ``0/0`` (exact,
+    ``-0.0`` included). No NaN is formed on a finite step, which ``jax_debug_nans`` would flag
+    outside ``jax.jit``, as it would an array of NaN made for a select."""
+    flag = jnp.asarray(ok, x.dtype)
+    return x * (flag / flag)
 
 
 def _commit(finite: jax.Array, new: Any, old: Any) -> Any:

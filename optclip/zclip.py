@@ -185,8 +185,12 @@ def _rule(norm, mean, std, step, dtype, *, z_thresh, mode, eps, clip_option, cli
         detect = mean + z_limit * (std + eps)  # spike iff z > z_limit iff norm > detect
         z = (norm - mean) / (std + eps)
         spike = z > z_limit
+        # Only read on a spike, where z > z_limit: elsewhere z_limit stands in for z, so that
+        # no 0/0 is formed (z = 0 where the norm equals the mean) for jax_debug_nans to flag.
+        z_spike = jnp.maximum(z, z_limit)
         threshold = (mean if clip_option == "mean" else checks.resolve(
-            clip_factor, step, dtype, name="clip_factor") * (mean + z_limit * std / (z / z_limit)))
+            clip_factor, step, dtype, name="clip_factor") * (
+                mean + z_limit * std / (z_spike / z_limit)))
     if fixed:  # a variance of 0 carries no information; detect nothing yet.
         spike = spike & ~_constant(mean, std)
     return spike, threshold, detect

@@ -79,6 +79,21 @@ def test_jit_matches_eager(entry):
 
 
 @entries
+def test_finite_gradients_form_no_nan_that_jax_debug_nans_would_flag(entry):
+    """``jax_debug_nans`` (JAX's way to find where a NaN first appears) checks every operation
+    outside ``jax.jit``: finite gradients never make a transform form a NaN there, not even a
+    value a select then discards (a 0/0 where a norm equals its running mean, ``inf - inf``
+    from an empty history), which would point the search at the clipper. Steps: the entry's
+    gradients, the last one twice more (a norm equal to its running mean), and zeros."""
+    tx = entry.make()
+    params = _params(entry)
+    grads = _grads(entry)
+    steps = [*grads, grads[-1], grads[-1], jax.tree.map(jnp.zeros_like, grads[0])]
+    with jax.debug_nans(True):
+        _run(tx.update, tx.init(params), steps, params)
+
+
+@entries
 def test_chain_with_adam_in_a_jitted_train_step(entry):
     tx = optax.chain(entry.make(), optax.adam(1e-2))
     params = _params(entry)

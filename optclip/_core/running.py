@@ -105,7 +105,9 @@ def history_quantile(history: jax.Array, filled: jax.Array, q: float) -> jax.Arr
     """``torch.quantile(valid slots, q)`` (linear) over the last axis; the ring order is moot."""
     size = history.shape[-1]
     valid = jnp.arange(size) < filled
-    ordered = jnp.sort(jnp.where(valid, history, jnp.inf), axis=-1)
+    # The empty slots sort last as the largest finite value, not inf: with no value yet
+    # (filled = 0) the interpolation then forms no inf - inf (NaN for jax_debug_nans).
+    ordered = jnp.sort(jnp.where(valid, history, jnp.finfo(history.dtype).max), axis=-1)
     rank = q * (jnp.maximum(filled, 1) - 1).astype(history.dtype)
     lo = jnp.floor(rank).astype(jnp.int32)
     hi = jnp.ceil(rank).astype(jnp.int32)
