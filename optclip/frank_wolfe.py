@@ -211,7 +211,7 @@ def _frank_wolfe(name: str, lmo, scaling: Any, learning_rate: Any, schedule: boo
         return L1qFrankWolfeState(*head, *fraction.init(params), jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
-        slices.require_params(params, name)
+        slices.require_params(params, name, updates)
         # A schedule for the radius is resolved at the count of finite steps; a number keeps
         # the double-precision products of _fw_coefficients.
         scale_now = (checks.resolve(scaling, state.count, name=scaling_name) if callable(scaling)

@@ -74,7 +74,7 @@ def _projection(name: str, measure, apply, state_cls: type, limits, axis_name: n
         return state_cls(*diag, zero, jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None):
-        slices.require_params(params, name)
+        slices.require_params(params, name, updates)
         def build(for_reduction=False):
             # ``u - (-p)`` is ``p + u`` exactly, written differently: XLA would otherwise share
             # one sum between the reductions and the update and write it out (a temporary the

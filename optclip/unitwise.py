@@ -224,6 +224,7 @@ def adaptive_grad_clip(
         if params is None:
             raise ValueError("adaptive_grad_clip needs the parameters: call "
                              "update(updates, state, params)")
+        checks.params_like(updates, params, "adaptive_grad_clip")
         bound = checks.resolve(clipping, state.count, norms.stat_dtype(), name="clipping")
         # The gradient norms see every NaN/Inf: no separate pass over the gradients to find one.
         new_updates, ratio, clipped, finite = measure(updates, params, bound, state.max_ratio)

@@ -1102,7 +1102,15 @@ def test_a_tree_without_arrays_comes_back_as_it_was(entry, tree):
 
 @pytest.mark.parametrize("entry", [e for e in ALL_ENTRIES if e.needs_params], ids=str)
 def test_update_without_params_names_the_transform_and_params(entry):
+    """No params, params of another tree, or a params leaf of another shape than its update
+    (which could broadcast into a silent wrong answer): an error naming the transform (and
+    the leaf)."""
     tx = entry.make()
     params = _params(entry)
+    grads = _grads(entry)[0]
     with pytest.raises(ValueError, match=rf"\b{entry.name}\b.*\bparams\b"):
-        tx.update(_grads(entry)[0], tx.init(params))
+        tx.update(grads, tx.init(params))
+    with pytest.raises(ValueError, match=rf"\b{entry.name}\b.*\bparams\b.*structure"):
+        jax.eval_shape(tx.update, grads, tx.init(params), {**params, "extra": params["b"]})
+    with pytest.raises(ValueError, match=rf"\b{entry.name}\b.*\bparams\['b'\]"):
+        jax.eval_shape(tx.update, grads, tx.init(params), {**params, "b": params["b"][:, None]})

@@ -198,6 +198,24 @@ def on_device(tree: Any) -> Any:
                         else x, tree)
 
 
+def params_like(updates: Any, params: Any, name: str) -> None:
+    """Trace-time check that ``params`` has the tree structure of ``updates`` and, where an
+    update is an array, a leaf of its shape: an error naming the transform and the leaf,
+    where a mismatched tree would otherwise fail deep inside the step or, broadcast, give a
+    silent wrong answer."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
+    try:
+        paired = treedef.flatten_up_to(params)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"{name}: params must have the tree structure of the updates "
+                         f"({error})") from None
+    for (path, u), p in zip(leaves, paired):
+        if hasattr(u, "shape") and np.shape(p) != np.shape(u):
+            raise ValueError(
+                f"{name}: params{jax.tree_util.keystr(path)} has shape {np.shape(p)}, its "
+                f"update {np.shape(u)}: pass the parameters the updates are for")
+
+
 def transformation(init_fn: Callable[[Any], Any], update_fn: Callable[..., Any], *,
                    extra_args: bool = False, pairs_leaves: bool = False
                    ) -> optax.GradientTransformation:

@@ -84,10 +84,14 @@ def slicing(leaves: list, tree: Any, param_ndim: Any, axis_name: norms.AxisName)
     return Slicing(axes_of, split_of, sizes)
 
 
-def require_params(params: Any, name: str) -> None:
+def require_params(params: Any, name: str, updates: Any = None) -> None:
+    """``params`` is given and (with ``updates``) pairs with the updates leaf for leaf
+    (:func:`optclip._core.checks.params_like`)."""
     if params is None:
         raise ValueError(f"{name} needs the current parameters: call "
                          f"update(updates, state, params) (it must come last in the chain)")
+    if updates is not None:
+        checks.params_like(updates, params, name)
 
 
 def sign(g: jax.Array) -> jax.Array:
