@@ -18,9 +18,9 @@ against a candidate that finishes both sums of a leaf in one kernel
 
 ``ranking`` (not yet run on a GPU): ``top_q`` and ``l1q_normalize`` with the library's
 bisection on the bits of ``|g|`` against three candidates: the same bisection with all leaves
-in one loop, one that sorts each row (:func:`_sorted_top_k_masks`), and one that finds the cut
+in one loop, one that sorts each row (:func:`_sorted_mask`), and one that finds the cut
 four bits a round in unrolled rounds and keeps the ties by a running count
-(:func:`_radix_top_k_masks`).
+(:func:`_radix_mask`).
 
     python benchmarks/bench_device_ab.py gates grouping stages ranking
 
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import re
@@ -168,66 +169,58 @@ def stages(setup) -> dict:
                                "two-stage": (norms, "_square_partials", _two_stage_partials)})
 
 
-def _sorted_top_k_masks(rows: list, ks: list) -> list:
-    """A candidate form of ``slices.top_k_masks`` for a GPU: one stable sort of every row by
-    descending magnitude (``lax.sort`` on the negated magnitude bits, carrying the index)
-    instead of the bisection on the bits, whose data-dependent loop reads its predicate back
-    to the host every round. The same masks: the ``k`` largest ``|g|`` of each row, ties to
-    the lowest index, NaN as the largest, and every zero where the ``k``-th largest is 0."""
-    masks = []
-    for r, k in zip(rows, ks):
-        if r.shape[-1] == 0:
-            masks.append(jnp.zeros(r.shape, bool))
-            continue
-        k = jnp.asarray(k, jnp.int32)
-        bits = slices.magnitude_bits(r)
-        index = slices._row_index(bits)
-        keys, order = jax.lax.sort((-bits, index), dimension=bits.ndim - 1, is_stable=True,
-                                   num_keys=1)
-        at = jnp.broadcast_to(jnp.maximum(k - 1, 0), bits.shape[:-1] + (1,))
-        kth = -jnp.take_along_axis(keys, at, axis=-1)
-        last = jnp.where(kth == 0, bits.shape[-1] - 1, jnp.take_along_axis(order, at, axis=-1))
-        masks.append(((bits > kth) | ((bits == kth) & (index <= last))) & (k > 0))
-    return masks
+def _row_masks(rows: list, ks: list, mask) -> list:
+    """A candidate form of ``slices.top_k_masks``: ``mask(bits, k)`` of every array of rows
+    (its magnitude bits, ``k`` an int32 scalar), no entry marked in a row of no entries."""
+    return [jnp.zeros(r.shape, bool) if r.shape[-1] == 0
+            else mask(slices.magnitude_bits(r), jnp.asarray(k, jnp.int32))
+            for r, k in zip(rows, ks)]
 
 
-def _radix_top_k_masks(rows: list, ks: list) -> list:
-    """A candidate form of ``slices.top_k_masks`` for a GPU: the ``k``-th largest magnitude
-    of every row digit by digit, four bits of ``|g|`` a round (8 rounds for float32, 16 for
-    float64, unrolled: no loop, no conditional), each round one count per row of the entries
-    at or above 15 candidates; then the ties at the cut kept by their running count along
-    the row (a cumulative sum) instead of a second search in a ``lax.cond``. The bisection
-    takes 31 rounds of one count each; a step bound by kernel launches takes about a quarter
-    of them here. The same masks as the library's."""
-    masks = []
-    for r, k in zip(rows, ks):
-        if r.shape[-1] == 0:
-            masks.append(jnp.zeros(r.shape, bool))
-            continue
-        k = jnp.asarray(k, jnp.int32)
-        bits = slices.magnitude_bits(r)
-        kth = jnp.zeros(bits.shape[:-1] + (1,), bits.dtype)
-        # The sign bit is clear: the digits cover the other bits, from the top.
-        shift = 8 * bits.dtype.itemsize - 1
-        while shift > 0:
-            width = min(4, shift)
-            shift -= width
-            digits = jnp.arange(1, 1 << width, dtype=bits.dtype) << shift
-            at_or_above = jnp.sum(bits[..., None, :] >= (kth + digits)[..., :, None], axis=-1,
-                                  dtype=jnp.int32)
-            # Counts fall as the digit grows: the digit is how many candidates keep k entries.
-            kth = kth + (jnp.sum(at_or_above >= k, axis=-1, keepdims=True,
-                                 dtype=bits.dtype) << shift)
-        above, ties = bits > kth, bits == kth
-        wanted = k - jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32)
-        rank = jnp.cumsum(ties, axis=-1, dtype=jnp.int32)
-        masks.append((above | (ties & ((rank <= wanted) | (kth == 0)))) & (k > 0))
-    return masks
+def _sorted_mask(bits: jax.Array, k: jax.Array) -> jax.Array:
+    """For a GPU: one stable sort of every row by descending magnitude (``lax.sort`` on the
+    negated magnitude bits, carrying the index) instead of the bisection's 31 rounds of
+    counts. The library's masks: the ``k`` largest ``|g|`` of each row, ties to the lowest
+    index, NaN as the largest, and every zero where the ``k``-th largest is 0."""
+    index = slices._row_index(bits)
+    keys, order = jax.lax.sort((-bits, index), dimension=bits.ndim - 1, is_stable=True,
+                               num_keys=1)
+    at = jnp.broadcast_to(jnp.maximum(k - 1, 0), bits.shape[:-1] + (1,))
+    kth = -jnp.take_along_axis(keys, at, axis=-1)
+    last = jnp.where(kth == 0, bits.shape[-1] - 1, jnp.take_along_axis(order, at, axis=-1))
+    return ((bits > kth) | ((bits == kth) & (index <= last))) & (k > 0)
+
+
+def _radix_mask(bits: jax.Array, k: jax.Array) -> jax.Array:
+    """For a GPU: the ``k``-th largest magnitude of every row digit by digit, four bits of
+    ``|g|`` a round (8 rounds for float32, 16 for float64, unrolled: no loop, no
+    conditional), each round one count per row of the entries at or above 15 candidates;
+    then the ties at the cut kept by their running count along the row (a cumulative sum)
+    instead of a second search in a ``lax.cond``. The bisection takes 31 rounds of one count
+    each; a step bound by kernel launches takes about a quarter of them here. The library's
+    masks."""
+    kth = jnp.zeros(bits.shape[:-1] + (1,), bits.dtype)
+    # The sign bit is clear: the digits cover the other bits, from the top.
+    shift = 8 * bits.dtype.itemsize - 1
+    while shift > 0:
+        width = min(4, shift)
+        shift -= width
+        digits = jnp.arange(1, 1 << width, dtype=bits.dtype) << shift
+        at_or_above = jnp.sum(bits[..., None, :] >= (kth + digits)[..., :, None], axis=-1,
+                              dtype=jnp.int32)
+        # Counts fall as the digit grows: the digit is how many candidates keep k entries.
+        kth = kth + (jnp.sum(at_or_above >= k, axis=-1, keepdims=True,
+                             dtype=bits.dtype) << shift)
+    above, ties = bits > kth, bits == kth
+    wanted = k - jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32)
+    rank = jnp.cumsum(ties, axis=-1, dtype=jnp.int32)
+    return (above | (ties & ((rank <= wanted) | (kth == 0)))) & (k > 0)
 
 
 # The candidate forms of the top-q ranking (``slices.top_k_masks``); tests/test_bench_forms.py
 # checks that each gives the library's masks.
-RANKING_FORMS = {"sort": _sorted_top_k_masks, "radix": _radix_top_k_masks}
+RANKING_FORMS = {form: functools.partial(_row_masks, mask=mask)
+                 for form, mask in (("sort", _sorted_mask), ("radix", _radix_mask))}
 
 
 def ranking(setup) -> dict:
