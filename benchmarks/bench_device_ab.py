@@ -226,7 +226,7 @@ RANKING_FORMS = {form: functools.partial(_row_masks, mask=mask)
 def ranking(setup) -> dict:
     # "one loop": the library's bisection with every leaf in one loop. The library ranks
     # leaves in groups of about a million entries, a loop each, for a CPU's caches; on a GPU
-    # that is some hundred loops (and tie-break conditionals) one after the other on GPT-2.
+    # that is 74 loops (and tie-break conditionals) one after the other on GPT-2.
     return _case_forms(setup, RANKED, {
         "bisection": None, "one loop": (slices, "RANK_GROUP_ENTRIES", 1 << 62),
         **{form: (slices, "top_k_masks", masks) for form, masks in RANKING_FORMS.items()}})
