@@ -718,6 +718,49 @@ def test_meta_gradient_is_finite_at_zero(entry, where):
         assert np.all(np.isfinite(np.asarray(g))), where
 
 
+# Above norms.GROUP_MAX_ELEMENTS (and slices.RANK_BLOCK_ENTRIES): a leaf this large takes the
+# large-leaf forms of the reductions (variadic and compensated sums, blocks of rows).
+_LARGE_LEAF = (260, 256)
+
+
+@entries
+@pytest.mark.parametrize("devices", ["one", "eight"])
+def test_meta_gradient_matches_finite_differences_with_a_large_leaf(entry, devices, request):
+    """``jax.grad`` through ``update``, with respect to the updates and the params, is the
+    derivative of the step: a central difference in float64 along a random direction agrees,
+    on a tree with a leaf large enough for the large-leaf forms of the reductions (those of
+    one visible device too: variadic and compensated sums, the ranking by blocks of rows)."""
+    if devices == "one":
+        request.getfixturevalue("one_device")
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(4)
+        base = {**entry.tree(jnp.float64, 3), "large": rng.normal(size=_LARGE_LEAF) * 2}
+        # Kept away from 0, where adam's own g / (sqrt(nu) + eps) bends on a scale of eps.
+        grads = jax.tree.map(lambda x: jnp.where(x < 0, x - 0.1, x + 0.1), base)
+        params = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape)), grads)
+        weights, dg, dp = (jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape)), grads)
+                           for _ in range(3))
+        tx = entry.make()
+        # One step first: the derivative is taken where running statistics are in play.
+        _, state = tx.update(jax.tree.map(lambda x: x / 2, grads), tx.init(params), params)
+
+        def loss(updates, params):
+            out, _ = tx.update(updates, state, params)
+            return sum(jnp.sum(jnp.sin(o) * w) for o, w in zip(jax.tree.leaves(out),
+                                                                jax.tree.leaves(weights)))
+
+        by_grads, by_params = jax.jit(jax.grad(loss, argnums=(0, 1)))(grads, params)
+        slope = sum(float(jnp.vdot(a, b)) for a, b in zip(
+            jax.tree.leaves((by_grads, by_params)), jax.tree.leaves((dg, dp))))
+        h = 1e-7
+
+        def moved(sign):
+            return loss(*jax.tree.map(lambda x, d: x + sign * h * d, (grads, params), (dg, dp)))
+
+        difference = float(moved(1) - moved(-1)) / (2 * h)
+        np.testing.assert_allclose(slope, difference, rtol=1e-5, atol=1e-6)
+
+
 def _huge(entry, dtype, magnitude):
     tree = entry.tree(jnp.float32, 7)
     return jax.tree.map(lambda x: (x / jnp.max(jnp.abs(x)) * magnitude).astype(dtype), tree)

@@ -18,6 +18,7 @@ lives.
 from __future__ import annotations
 
 import collections
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -185,6 +186,7 @@ def _add_compensated(a: tuple, b: tuple) -> tuple:
     return high, jax.lax.add(jax.lax.add(low_a, low_b), error), jax.lax.add(scaled_a, scaled_b)
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
 def compensated_squares(x: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
     """Plain and scaled sums of squares of ``x`` over ``axes`` (reduced axes dropped, as
     :func:`root_of_squares` takes them) from one variadic reduce that also carries the plain
@@ -193,12 +195,26 @@ def compensated_squares(x: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array,
     loses up to ``n`` roundings: about ``sqrt(n)`` on random data). The scaled sum, read only
     where the plain one overflowed, is not compensated: each carried sum costs XLA:CPU's loop
     about as much time as it saves in memory traffic. A plain sum that is not finite is
-    returned as it is (the error of adding infinities is NaN)."""
+    returned as it is (the error of adding infinities is NaN).
+
+    Differentiable (``jax.grad`` through a projection, for meta-learning): the derivative is
+    that of the two plain sums, ``Σ 2 x dx`` and its scaled twin; the rounding error carried
+    beside the plain sum is a constant to it (and jax has no derivative of a variadic reduce
+    whose operand is a constant)."""
     plain, scaled = _squares(x)
     zero = jnp.zeros((), x.dtype)
     high, low, scaled = jax.lax.reduce((plain, jnp.zeros_like(plain), scaled),
                                        (zero, zero, zero), _add_compensated, axes)
     return jax.lax.select(jnp.isfinite(high), jax.lax.add(high, low), high), scaled
+
+
+@compensated_squares.defjvp
+def _compensated_squares_jvp(axes, primals, tangents):
+    (x,), (dx,) = primals, tangents
+    zero = jnp.zeros((), x.dtype)
+    _, slopes = jax.jvp(lambda v: tuple(jax.lax.reduce(s, zero, jax.lax.add, axes)
+                                        for s in _squares(v)), (x,), (dx,))
+    return compensated_squares(x, axes), slopes
 
 
 def root_of_squares(plain: jax.Array, scaled: jax.Array, shift: int) -> jax.Array:
