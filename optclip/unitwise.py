@@ -99,7 +99,7 @@ def flax_unit_axes(stacked: int | Callable[[tuple], int] = 0, *, vectors: bool =
 @stats_lib.diagnostic("adaptive_grad_clip", ("max_ratio", "clipped", "nonfinite"),
                       per_leaf=("max_ratio", "clipped"))
 class AdaptiveGradClipState(NamedTuple):
-    count: jax.Array      # int32 steps taken (for a ``clipping`` schedule)
+    count: jax.Array      # int32 finite steps taken (for a ``clipping`` schedule)
     max_ratio: jax.Array  # (F,) per leaf: largest ||G_unit|| / max(||W_unit||, eps) (last
                           # finite value)
     clipped: jax.Array    # (F,) per leaf: fraction of units clipped at the last step
@@ -230,7 +230,8 @@ def adaptive_grad_clip(
         new_updates, ratio, clipped, finite = measure(updates, params, bound, state.max_ratio)
         finite = norms.all_true(finite, axis_name)
         return new_updates, AdaptiveGradClipState(
-            optax.safe_increment(state.count), stats_lib.keep_finite(ratio, state.max_ratio),
+            stats_lib.step_count(state.count, finite),
+            stats_lib.keep_finite(ratio, state.max_ratio),
             stats_lib.keep_finite(clipped, state.clipped),
             stats_lib.count_nonfinite(state.nonfinite, finite))
 

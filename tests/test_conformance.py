@@ -444,6 +444,27 @@ def test_bad_hyperparameters_rejected_as_array_scalars_too(entry):
                 factory(**{**kwargs, name: wrap(kwargs[name])})
 
 
+# The bad values of parameters that take a schedule: (entry, the bad arguments, the name).
+_SCHEDULED_BAD = [(e, kwargs, name) for e in ALL_ENTRIES for kwargs, name in e.bad_args
+                  if name in e.thresholds and isinstance(kwargs.get(name), float)]
+
+
+@pytest.mark.parametrize(("entry", "kwargs", "name"), _SCHEDULED_BAD,
+                         ids=[f"{e.name}-{n}" for e, _, n in _SCHEDULED_BAD])
+def test_a_schedule_out_of_range_at_its_first_step_is_rejected(entry, kwargs, name):
+    """Convention 7 for schedules: a threshold's schedule is checked at step 0 when the
+    transform is built, so a schedule of the wrong sign is an error naming the parameter (it
+    clipped to a negative bound, flipping the updates, or ignored a NaN bound)."""
+    factory = _factory(entry)
+    bad = kwargs[name]
+    with pytest.raises(ValueError, match=_whole_word(name) + ".* at step 0"):
+        factory(**{**kwargs, name: lambda count: jnp.asarray(bad) + 0 * count})
+    # Only step 0: a schedule that leaves the range later is the run's to keep within it.
+    good = entry.thresholds[name]
+    if math.isfinite(bad):
+        factory(**{**good, name: optax.linear_schedule(good[name], bad, 10)})
+
+
 def test_validation_messages_are_readable():
     with pytest.raises(TypeError, match=r"\bdim\b.*int"):
         optclip.clip_norm(1.0, dim=1.5)
@@ -511,6 +532,30 @@ def _threshold_cases():
             for e in ALL_ENTRIES for name in e.thresholds]
 
 
+# Parameters that take a schedule but that the conformance steps never read: skip_spikes's
+# loss rule needs the loss extra argument (tests/test_skip_spikes.py holds its schedule).
+_SCHEDULES_READ_ELSEWHERE = {("skip_spikes", "loss_threshold")}
+
+
+@entries
+def test_registry_lists_every_parameter_that_takes_a_schedule(entry):
+    """The schedule rules below run over ``Entry.thresholds``: every numeric parameter that
+    accepts an optax schedule is listed there, so none escapes them."""
+    factory = _factory(entry)
+    valid = _valid_kwargs(factory)
+    signature = inspect.signature(factory).parameters
+    takes = []
+    for name in _numeric_parameters(factory):
+        value = valid.get(name, signature[name].default)
+        try:
+            factory(**{**valid, name: optax.constant_schedule(0.5 if value is None else value)})
+        except (TypeError, ValueError):
+            continue
+        takes.append(name)
+    unlisted = {n for n in takes if (entry.name, n) not in _SCHEDULES_READ_ELSEWHERE}
+    assert unlisted - set(entry.thresholds) == set(), "add them to the entry's thresholds"
+
+
 @pytest.mark.parametrize(("entry", "name"), _threshold_cases())
 def test_every_threshold_takes_a_schedule(entry, name):
     """Convention 12: a constant schedule gives what the float gives."""
@@ -527,13 +572,25 @@ def test_every_threshold_takes_a_schedule(entry, name):
 @pytest.mark.parametrize(("entry", "name"), _threshold_cases())
 def test_a_schedule_that_returns_an_array_is_an_error_naming_the_threshold(entry, name):
     """A schedule must give a scalar: an array would broadcast against the leaves or change
-    the state's shapes. The error names the parameter, raised while tracing ``update``."""
+    the state's shapes. The error names the parameter, raised when the transform is built
+    (its value at step 0), or while tracing ``update`` where that value is not known then."""
     kwargs = entry.thresholds[name]
     value = kwargs[name]
-    tx = _factory(entry)(**{**kwargs, name: lambda count: jnp.full((2,), value)})
     params = _params(entry)
+    with pytest.raises(TypeError, match=_whole_word(name) + ".*scalar.* at step 0"):
+        _factory(entry)(**{**kwargs, name: lambda count: jnp.full((2,), value)})
+    unknown = jax.random.key(0)  # a schedule of traced values, unknown at construction
+
+    def schedule(count):
+        return jnp.full((2,), value) + 0 * jax.random.uniform(unknown)
+
+    @jax.jit
+    def build_and_trace(grads):
+        tx = _factory(entry)(**{**kwargs, name: lambda count: schedule(count) + 0 * grads[0]})
+        return tx.update(grads[1], tx.init(params), params)
+
     with pytest.raises(TypeError, match=_whole_word(name) + ".*scalar"):
-        jax.eval_shape(tx.update, _grads(entry)[0], tx.init(params), params)
+        jax.eval_shape(build_and_trace, (jnp.zeros(()), _grads(entry)[0]))
 
 
 @entries

@@ -160,6 +160,29 @@ def test_loss_spike_skips_a_step_with_ordinary_gradients():
                                          "nonfinite")}
 
 
+def test_loss_threshold_takes_a_schedule_checked_at_its_first_step():
+    """The loss rule's threshold as a schedule (the conformance rules run without a loss):
+    constant, it gives the float's decisions; one that has risen past the spike's score by
+    then skips nothing; one out of range at step 0 is an error naming it."""
+    grads = _grads(spike=1.0)
+    losses = [2.0, 2.1, 1.9, 2.0, 1.95, 2.05, 1.9, 80.0, 1.9, 1.85]
+
+    def decisions(loss_threshold):
+        tx = optclip.skip_spikes(optax.adam(LR), warmup_steps=4, loss_threshold=loss_threshold)
+        state, update, skipped = tx.init(PARAMS), jax.jit(tx.update), []
+        for g, loss in zip(grads, losses):
+            _, state = update(g, state, PARAMS, loss=jnp.float32(loss))
+            skipped.append(bool(state.skipped))
+        return skipped
+
+    assert decisions(optax.constant_schedule(5.0)) == decisions(5.0)
+    assert decisions(5.0)[SPIKE_STEP]
+    # A threshold that has grown past every score by the spike step skips nothing.
+    assert not any(decisions(lambda count: 5.0 + 1e6 * count))
+    with pytest.raises(ValueError, match=r"\bloss_threshold\b.* at step 0"):
+        optclip.skip_spikes(optax.adam(LR), loss_threshold=lambda count: -1.0 + 0 * count)
+
+
 @pytest.mark.parametrize("bad", ["grads", "loss"])
 def test_nonfinite_steps_are_skipped_and_counted(bad):
     tx = optclip.skip_spikes(optax.adam(LR), warmup_steps=4)

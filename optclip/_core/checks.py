@@ -47,6 +47,33 @@ def _check_number(name: str, value: Any, allow_schedule: bool) -> bool:
     return True
 
 
+def _at_start(name: str, schedule: Schedule) -> Any:
+    """``schedule``'s value at step 0, which a transform built with it is checked against, or
+    ``None`` where that is not a number known now.
+
+    Evaluated once, eagerly, with the step count the state keeps (an int32 scalar). Only the
+    first step is checked: a schedule may leave the range after the steps a run takes. A
+    schedule that cannot run here (one that reads a mesh axis, say, and only works inside
+    ``shard_map``) is left to its run, where ``resolve`` meets it.
+    """
+    try:
+        value = schedule(jnp.zeros([], jnp.int32))
+    except Exception:  # noqa: BLE001 - checked where it runs instead
+        return None
+    if isinstance(value, jax.core.Tracer):
+        return None
+    if np.ndim(value) != 0:
+        raise TypeError(f"{name} must be a scalar, but its schedule returned an array of shape "
+                        f"{np.shape(value)} at step 0")
+    return value
+
+
+def start_value(name: str, value: Any) -> Any:
+    """``value``, or a schedule's value at step 0 (:func:`_at_start`); ``None`` for a
+    schedule whose value is not known now."""
+    return _at_start(name, value) if callable(value) else value
+
+
 def in_range(
     name: str,
     value: Any,
@@ -61,16 +88,23 @@ def in_range(
 ) -> None:
     """Check that ``value`` lies in the interval given by ``low``/``high`` (and, with
     ``finite``, is not infinite: a value that would turn finite gradients into non-finite
-    outputs, or a stabilizer such as ``eps``)."""
+    outputs, or a stabilizer such as ``eps``). With ``allow_schedule``, a schedule's value at
+    step 0 is checked (:func:`_at_start`)."""
     if value is None:
         if allow_none:
             return
         raise TypeError(f"{name} must be a number, got None")
-    if not _check_number(name, value, allow_schedule):
+    source = ""
+    if allow_schedule and callable(value):
+        value = _at_start(name, value)
+        if value is None:
+            return
+        source = " from its schedule at step 0"
+    if not _check_number(name, value, allow_schedule and not source):
         return
     v = float(np.asarray(value))
     if np.isnan(v) and low is None and high is None:
-        raise ValueError(f"{name} must be a number, got nan")
+        raise ValueError(f"{name} must be a number, got nan{source}")
     lo_ok = low is None or (v >= low if low_inclusive else v > low)
     hi_ok = high is None or (v <= high if high_inclusive else v < high)
     if lo_ok and hi_ok and not np.isnan(v) and not (finite and np.isinf(v)):
@@ -82,7 +116,7 @@ def in_range(
         parts.append(f"{'<=' if high_inclusive else '<'} {high:g}")
     if finite:
         parts.append("finite")
-    raise ValueError(f"{name} must be {' and '.join(parts) or 'a number'}, got {v!r}")
+    raise ValueError(f"{name} must be {' and '.join(parts) or 'a number'}, got {v!r}{source}")
 
 
 def _hyper_dtype() -> np.dtype:
@@ -104,9 +138,11 @@ def positive(name: str, value: Any, *, allow_schedule: bool = False, allow_none:
     when allowed); ``finite``: as in :func:`in_range`."""
     in_range(name, value, 0.0, low_inclusive=False, allow_schedule=allow_schedule,
              allow_none=allow_none, finite=finite)
-    if is_concrete_number(value) and (v := float(np.asarray(value))) < smallest_positive():
+    start = start_value(name, value) if allow_schedule else value
+    if is_concrete_number(start) and (v := float(np.asarray(start))) < smallest_positive():
+        source = " from its schedule at step 0" if start is not value else ""
         raise ValueError(f"{name} must be at least {smallest_positive():.3g} "
-                         f"({_hyper_dtype().name}'s smallest normal number), got {v!r}")
+                         f"({_hyper_dtype().name}'s smallest normal number), got {v!r}{source}")
 
 
 def non_negative(name: str, value: Any, *, allow_schedule: bool = False, allow_none: bool = False,

@@ -40,10 +40,13 @@ def check_bounds(clamp_min: Any, clamp_max: Any) -> None:
                     allow_none=True, allow_schedule=True)
     checks.in_range("clamp_max", clamp_max, low=-math.inf, low_inclusive=False,
                     allow_none=True, allow_schedule=True)
-    if (checks.is_concrete_number(clamp_min) and checks.is_concrete_number(clamp_max)
-            and float(np.asarray(clamp_min)) > float(np.asarray(clamp_max))):
-        raise ValueError(f"clamp_min must be <= clamp_max, got clamp_min={clamp_min!r} > "
-                         f"clamp_max={clamp_max!r}")
+    low = checks.start_value("clamp_min", clamp_min)
+    high = checks.start_value("clamp_max", clamp_max)
+    if (checks.is_concrete_number(low) and checks.is_concrete_number(high)
+            and float(np.asarray(low)) > float(np.asarray(high))):
+        at = " at step 0" if callable(clamp_min) or callable(clamp_max) else ""
+        raise ValueError(f"clamp_min must be <= clamp_max, got clamp_min={float(low)!r} > "
+                         f"clamp_max={float(high)!r}{at}")
 
 
 def check_q(q: Any, dq: Any, seed: Any) -> None:
