@@ -135,11 +135,17 @@ Limit = Callable[[jax.Array, jax.Array], jax.Array]
 
 def _clip(g: jax.Array, v: jax.Array, limit: Limit, active: jax.Array) -> jax.Array:
     """``g`` clipped elementwise to ``[-c, c]`` with ``c = limit(g, nu)`` where the scalar
-    ``active`` holds, else ``g`` as it is. Per-leaf arithmetic here and below is written in
-    ``lax`` operations: the same operations as ``jnp``'s, which trace several times slower."""
+    ``active`` holds and ``nu > 0``, else ``g`` as it is. An element whose ``nu`` is 0 has no
+    history to be a spike against: its gradients so far were all 0 (an embedding row of a
+    token not seen yet, a unit that was inactive), and a threshold of 0 (or of the minimum)
+    would cut its first gradients to nothing, which keeps ``nu`` at 0 and the element from
+    ever training. Per-leaf arithmetic here and below is written in ``lax`` operations: the
+    same operations as ``jnp``'s, which trace several times slower."""
     thr = limit(g, v)
     wide = _cast(g, norms.acc_dtype(g.dtype))
-    over = jax.lax.bitwise_and(active, jax.lax.gt(jax.lax.abs(wide), thr))
+    seen = jax.lax.gt(v, jnp.zeros((), v.dtype))
+    over = jax.lax.bitwise_and(jax.lax.bitwise_and(active, seen),
+                               jax.lax.gt(jax.lax.abs(wide), thr))
     return _cast(jax.lax.select(over, jax.lax.mul(jax.lax.sign(wide), thr), wide), g.dtype)
 
 
@@ -151,12 +157,12 @@ def _clipped(updates: Any, nu: Any, limit: Limit, active: jax.Array,
                         if norms.is_float(g) else g, updates, nu)
 
 
-def _squared_excess(g: jax.Array, v: jax.Array, inv_width: jax.Array, keep_nu: jax.Array,
+def _squared_excess(g: jax.Array, v: jax.Array, inv_width: jax.Array,
                     floor: jax.Array) -> jax.Array:
-    """``(g / w)**2 - max(min(nu, k M), f)`` (``M`` the largest value of the dtype, ``k`` 1, or
-    0 to test against zero moments): positive exactly where ``|g| > w sqrt(nu)`` (or
-    ``> w sqrt(f)``), up to rounding at the threshold, for the scalars ``1 / w``, ``k`` and
-    ``f``. No root and no absolute value (the cheap operations of XLA:CPU's fast reduction).
+    """``(g / w)**2 - max(min(nu, M), f)`` (``M`` the largest value of the dtype): positive
+    exactly where ``|g| > w sqrt(nu)`` (or ``> w sqrt(f)``), up to rounding at the threshold,
+    for the scalars ``1 / w`` and ``f``. No root and no absolute value (the cheap operations
+    of XLA:CPU's fast reduction).
     Never NaN for a finite ``g``: a square that overflows is an element far above the
     threshold, and an adam's ``nu`` that overflowed to ``inf`` (gradients above about
     ``1.8e19`` in float32) counts as ``M`` (a product ``inf * 0`` or a difference
@@ -166,10 +172,10 @@ def _squared_excess(g: jax.Array, v: jax.Array, inv_width: jax.Array, keep_nu: j
     threshold is ``inf``)."""
     # Through a barrier with the leaf (norms.apart): no broadcast of these scalars is shared
     # with the reductions of other leaves of this shape.
-    g, v, inv_width, keep_nu, floor = norms.apart(g, v, inv_width, keep_nu, floor)
-    wide = _cast(g, norms.acc_dtype(g.dtype))
-    dtype = wide.dtype
-    cap = jax.lax.mul(_cast(keep_nu, dtype), np.array(np.finfo(dtype).max, dtype))
+    dtype = norms.acc_dtype(g.dtype)
+    g, v, inv_width, floor, cap = norms.apart(g, v, inv_width, floor,
+                                              np.array(np.finfo(dtype).max, dtype))
+    wide = _cast(g, dtype)
     return jax.lax.sub(jax.lax.square(jax.lax.mul(wide, _cast(inv_width, dtype))),
                        jax.lax.max(jax.lax.min(_cast(v, dtype), cap), _cast(floor, dtype)))
 
@@ -179,8 +185,9 @@ def _clip_fraction(updates: Any, nu: Any, excess: Limit, active: jax.Array,
     """The fraction of elements that :func:`_clip` changes, and whether every gradient is
     finite, from one reduction per leaf (of ``g`` and ``nu``, nothing written out).
 
-    Each element adds ``sign(max(excess(g, nu), 0))`` (1 where ``excess``, a
-    :func:`_squared_excess`, is positive, else 0) and ``g * 0`` (NaN for a NaN/Inf element,
+    Each element adds ``sign(max(excess(g, nu), 0)) * sign(nu)`` (1 where ``excess``, a
+    :func:`_squared_excess`, is positive and ``nu > 0``, as :func:`_clip` decides, else 0) and
+    ``g * 0`` (NaN for a NaN/Inf element,
     else 0): arithmetic that XLA:CPU fuses into its fast reduction, where a comparison or a
     select would first be written out as an array the size of the leaf. ``active`` applies
     after the sum.
@@ -193,7 +200,8 @@ def _clip_fraction(updates: Any, nu: Any, excess: Limit, active: jax.Array,
         wide = _cast(g, norms.acc_dtype(g.dtype))
         # The zero through a barrier with the leaf, as in _squared_excess.
         wide, zero = norms.apart(wide, np.zeros((), wide.dtype))
-        return _cast(jax.lax.add(jax.lax.sign(jax.lax.max(excess(g, v), zero)),
+        seen = jax.lax.sign(_cast(v, wide.dtype))
+        return _cast(jax.lax.add(jax.lax.mul(jax.lax.sign(jax.lax.max(excess(g, v), zero)), seen),
                                  stats_lib.nan_marks(wide)), jnp.float32)
 
     partials = norms.leaf_reductions([hits(g, v) for g, v in pairs], lambda x: x)
@@ -258,19 +266,6 @@ def _reset_moments(moments):
                             count=jnp.zeros_like(moments.count))
 
 
-def _spam_tests(reset: jax.Array, root_theta: jax.Array):
-    """The clip width ``sqrt(theta)`` and the spike test ``|g| > sqrt(theta nu)`` of one step;
-    on a reset step against the reset moments (0): width 0, and any ``|g| > 0`` is a spike.
-    Scalar selects only, none per element."""
-    one, zero = jnp.ones_like(root_theta), jnp.zeros_like(root_theta)
-    inv_width, keep_nu = jnp.where(reset, one, 1 / root_theta), jnp.where(reset, zero, one)
-
-    def excess(g, v):
-        return _squared_excess(g, v, inv_width, keep_nu, zero)
-
-    return jnp.where(reset, zero, root_theta), excess
-
-
 def spam_clip(
     inner: optax.GradientTransformation,
     threshold: checks.ScalarOrSchedule = 5000.0,
@@ -282,15 +277,18 @@ def spam_clip(
     """SPAM's spike-aware clipping (and optional momentum reset) in front of an adam.
 
     With ``nu`` the wrapped adam's second moment before this step (the raw EMA of ``g**2``,
-    as SPAM), every element with ``g**2 > threshold * nu`` is a spike and is replaced by
-    ``sign(g) * sqrt(threshold * nu)``; the clipped gradient then updates the adam. The
+    as SPAM), every element with ``g**2 > threshold * nu`` and ``nu > 0`` is a spike and is
+    replaced by ``sign(g) * sqrt(threshold * nu)``; the clipped gradient then updates the
+    adam. An element whose ``nu`` is 0 (all its gradients so far were 0) has no history to
+    spike against and is not clipped. The
     threshold is relative to each element's own history: ``threshold=5000`` lets an element
     reach ``sqrt(5000) ~ 71`` times its RMS. Clipping is active from step ``clip_after`` on
     (1-based; ``nu`` needs some steps to mean anything).
 
     With ``reset_interval=K``, every ``K``-th step (1-based) first zeroes the adam's ``mu``,
     ``nu`` and ``count`` (SPAM's momentum reset, which flushes whatever a spike left in the
-    moments), and clipping pauses for the first ``clip_after`` steps of each period, as SPAM.
+    moments), and clipping pauses for the first ``clip_after`` steps of each period, as SPAM
+    (the reset step itself, against the zeroed moments, is never clipped).
 
     Args:
       inner: an adam-style optimizer (``optax.adam``, ``optax.adamw``, a chain containing one,
@@ -314,8 +312,11 @@ def spam_clip(
       4.1's ``SPAM`` (``threshold=5000``, ``grad_accu_steps=20``, reset every 500 steps
       there). Differences: the reset also zeroes adam's ``count``, so bias correction restarts
       with the moments (SPAM keeps its step count, which makes the first updates after a reset
-      too large, and damps them with a cosine warm-up of the learning rate instead); SPAM's
-      sparse-momentum masks are not part of this transform.
+      too large, and damps them with a cosine warm-up of the learning rate instead); an
+      element with ``nu = 0`` is not clipped (the reference clips it to
+      ``sqrt(threshold * 0) = 0``, which keeps its ``nu`` at 0: an element whose gradients
+      were 0 up to step ``clip_after``, an embedding row of a token not seen yet, never
+      trains until a reset); SPAM's sparse-momentum masks are not part of this transform.
 
     Example:
       >>> import jax.numpy as jnp, optax, optclip
@@ -346,16 +347,20 @@ def spam_clip(
         reset = (jnp.zeros((), bool) if reset_interval is None
                  else step % reset_interval == 0)
         in_period = step if reset_interval is None else step % reset_interval
-        active = (step >= clip_after) & (in_period >= clip_after)
+        # A reset step clips nothing: against the zeroed moments no element has a history.
+        active = (step >= clip_after) & (in_period >= clip_after) & ~reset
         root_theta = norms.safe_sqrt(checks.resolve(threshold, state.count,
                                                     norms.stat_dtype(updates), name="threshold"))
         nu = _nu_tree(updates, _moment_state(state.inner).nu)
 
-        width, excess = _spam_tests(reset, root_theta)
+        inv_width, zero = 1 / root_theta, jnp.zeros_like(root_theta)
 
         def limit(g, v):
             s = _sqrt_nu(v, g)
-            return jax.lax.mul(_cast(width, s.dtype), s)
+            return jax.lax.mul(_cast(root_theta, s.dtype), s)
+
+        def excess(g, v):
+            return _squared_excess(g, v, inv_width, zero)
 
         def prepare(inner_state):
             if reset_interval is None:
@@ -388,7 +393,8 @@ def adamw_clip(
     ``g <- clip(g, -c, c)`` elementwise with ``c = max(sigmas * sqrt(nu / (1 - b2**t)),
     min_threshold)``, where ``nu`` is the wrapped adam's second moment before this step and
     ``t`` the number of gradients it holds (so ``nu / (1 - b2**t)`` is its bias-corrected
-    value); the clipped gradient then updates the adam. The threshold scales with the
+    value), for every element with ``nu > 0`` (one whose gradients so far were all 0 has no
+    history and is not clipped); the clipped gradient then updates the adam. The threshold scales with the
     gradients (it is equivariant to rescaling them), so one ``sigmas`` suits every model, and
     it costs no memory beyond adam's own.
 
@@ -408,9 +414,10 @@ def adamw_clip(
     References:
       AdamWClip 0.1.4 (github.com/wandeln/AdamWClip, PyTorch), parameters ``clip_grad_adapt``
       (``sigmas``), ``clip_grad_min`` and ``clip_grad_warm_up``. Difference: the reference
-      also clips at its first step, where ``nu`` is 0, and so cuts every first gradient to
-      ``min_threshold`` (1e-10), after which ``nu`` grows back only slowly; here a step whose
-      adam has not seen a gradient yet (count 0) is never clipped.
+      also clips where ``nu`` is 0 (at its first step every element, later any element whose
+      gradients were all 0 so far) and so cuts such a gradient to ``min_threshold`` (1e-10),
+      after which ``nu`` grows back only slowly (hundreds of steps); here an element with
+      ``nu = 0`` is never clipped.
 
     Example:
       >>> import jax.numpy as jnp, optax, optclip
@@ -454,10 +461,9 @@ def adamw_clip(
         # the test inf - inf, NaN, and hold the step.
         floor = jnp.minimum(jnp.square(jnp.asarray(min_threshold, stat) * inv_width),
                             jnp.finfo(stat).max)
-        one = jnp.ones_like(width)
 
         def excess(g, v):
-            return _squared_excess(g, v, inv_width, one, floor)
+            return _squared_excess(g, v, inv_width, floor)
 
         fraction, finite = _clip_fraction(updates, nu, excess, active, axis_name)
         out, new_inner = _gated_step(inner, finite, _clipped(updates, nu, limit, active, finite),

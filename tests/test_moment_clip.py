@@ -67,9 +67,10 @@ def spam_oracle(grads, theta=5000.0, clip_after=3, reset_interval=None):
             adam = _Adam()
         in_period = s % reset_interval if reset_interval else s
         hits = 0
-        if s >= clip_after and in_period >= clip_after:
+        # Not on a reset step (against the zeroed moments), and never where v is 0 (no history).
+        if s >= clip_after and in_period >= clip_after and in_period != 0:
             for k in g:
-                mask = g[k] ** 2 > theta * adam.v[k]
+                mask = (g[k] ** 2 > theta * adam.v[k]) & (adam.v[k] > 0)
                 g[k] = np.where(mask, np.sign(g[k]) * np.sqrt(theta * adam.v[k]), g[k])
                 hits += mask.sum()
         fractions.append(hits / 15)
@@ -86,7 +87,8 @@ def adamw_clip_oracle(grads, sigmas=3.0, min_threshold=1e-10, warmup=0):
             for k in g:
                 c = np.maximum(sigmas * np.sqrt(adam.v[k] / (1 - B2 ** adam.t)),
                                min_threshold)
-                g[k] = np.clip(g[k], -c, c)
+                # Where v is 0 (every gradient so far 0) there is no history: no clip.
+                g[k] = np.where(adam.v[k] > 0, np.clip(g[k], -c, c), g[k])
         outs.append(adam.step(g))
     return outs
 
@@ -156,6 +158,40 @@ def test_the_spike_step_is_actually_clipped():
     np.testing.assert_allclose(float(state.clipped_fraction), fractions[SPIKE_STEP], rtol=1e-6)
     _, scales = stable_oracle(_grads())
     assert scales[SPIKE_STEP]["b"] < 0.5 and scales[SPIKE_STEP - 1]["b"] == 1.0
+
+
+def _late_grads():
+    """The test gradients with elements first seen late: row 0 of "w" is 0 for the first 5
+    steps (an embedding row of a token not seen yet) and "b"[0] until the spike step."""
+    grads = _grads(1)
+    for step, g in enumerate(grads):
+        if step < 5:
+            g["w"][0] = 0.0
+        if step < SPIKE_STEP:
+            g["b"][0] = 0.0
+    return grads
+
+
+@pytest.mark.parametrize(("make", "oracle"), [
+    (lambda: optclip.spam_clip(optax.adam(LR), clip_after=1),
+     lambda grads: spam_oracle(grads, clip_after=1)[0]),
+    (lambda: optclip.spam_clip(optax.adam(LR), clip_after=0, reset_interval=4),
+     lambda grads: spam_oracle(grads, clip_after=0, reset_interval=4)[0]),
+    (lambda: optclip.adamw_clip(optax.adam(LR)), adamw_clip_oracle),
+], ids=["spam", "spam_reset", "adamw_clip"])
+def test_an_element_first_seen_late_trains(make, oracle):
+    """An element whose gradients were all 0 so far has ``nu = 0``: no history to be a spike
+    against. It is not clipped (a threshold of ``sqrt(theta * 0)`` cut SPAM's to 0 forever,
+    AdamWClip's ``min_threshold`` to 1e-10 for hundreds of steps)."""
+    tx = make()
+    outs, _ = _run(jax.jit(tx.update), tx.init(PARAMS), _late_grads())
+    for step, (out, want) in enumerate(zip(outs, oracle(_late_grads()))):
+        chex.assert_trees_all_close(out, jax.tree.map(np.float32, want), rtol=3e-5, atol=1e-7,
+                                    custom_message=f"step {step}")
+    # Its first nonzero gradients move it as far as adam moves a fresh element (about half of
+    # lr here, with adam's bias correction at a later step); cut, it moved by 0 or 1e-10.
+    assert np.all(np.abs(np.asarray(outs[5]["w"][0])) > LR / 4)
+    assert abs(float(outs[SPIKE_STEP]["b"][0])) > LR / 4
 
 
 def test_spam_reset_zeroes_moments_and_count():
