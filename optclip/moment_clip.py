@@ -394,9 +394,9 @@ def adamw_clip(
     min_threshold)``, where ``nu`` is the wrapped adam's second moment before this step and
     ``t`` the number of gradients it holds (so ``nu / (1 - b2**t)`` is its bias-corrected
     value), for every element with ``nu > 0`` (one whose gradients so far were all 0 has no
-    history and is not clipped); the clipped gradient then updates the adam. The threshold scales with the
-    gradients (it is equivariant to rescaling them), so one ``sigmas`` suits every model, and
-    it costs no memory beyond adam's own.
+    history and is not clipped); the clipped gradient then updates the adam. The threshold
+    scales with the gradients (it is equivariant to rescaling them), so one ``sigmas`` suits
+    every model, and it costs no memory beyond adam's own.
 
     Args:
       inner: an adam-style optimizer (see :func:`spam_clip`); extra arguments are forwarded.
