@@ -58,7 +58,7 @@ def _at_start(name: str, schedule: Schedule) -> Any:
     """
     try:
         value = schedule(jnp.zeros([], jnp.int32))
-    except Exception:  # noqa: BLE001 - checked where it runs instead
+    except Exception:  # checked where it runs instead
         return None
     if isinstance(value, jax.core.Tracer):
         return None
