@@ -579,14 +579,11 @@ def test_a_schedule_that_returns_an_array_is_an_error_naming_the_threshold(entry
     params = _params(entry)
     with pytest.raises(TypeError, match=_whole_word(name) + ".*scalar.* at step 0"):
         _factory(entry)(**{**kwargs, name: lambda count: jnp.full((2,), value)})
-    unknown = jax.random.key(0)  # a schedule of traced values, unknown at construction
-
-    def schedule(count):
-        return jnp.full((2,), value) + 0 * jax.random.uniform(unknown)
-
     @jax.jit
     def build_and_trace(grads):
-        tx = _factory(entry)(**{**kwargs, name: lambda count: schedule(count) + 0 * grads[0]})
+        # A schedule of traced values (grads[0]): unknown when the transform is built.
+        tx = _factory(entry)(**{**kwargs, name: lambda count: jnp.full((2,), value)
+                                + 0 * grads[0]})
         return tx.update(grads[1], tx.init(params), params)
 
     with pytest.raises(TypeError, match=_whole_word(name) + ".*scalar"):

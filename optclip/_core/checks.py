@@ -62,16 +62,17 @@ def _at_start(name: str, schedule: Schedule) -> Any:
         return None
     if isinstance(value, jax.core.Tracer):
         return None
-    if np.ndim(value) != 0:
-        raise TypeError(f"{name} must be a scalar, but its schedule returned an array of shape "
-                        f"{np.shape(value)} at step 0")
+    _require_scalar(name, value, True, " at step 0")
     return value
 
 
-def start_value(name: str, value: Any) -> Any:
-    """``value``, or a schedule's value at step 0 (:func:`_at_start`); ``None`` for a
-    schedule whose value is not known now."""
-    return _at_start(name, value) if callable(value) else value
+def _require_scalar(name: str, value: Any, scheduled: bool, when: str = "") -> None:
+    """A hyperparameter's value must be a scalar: an array would broadcast against the
+    leaves or change the shapes of the state."""
+    if np.ndim(value) != 0:
+        source = "its schedule returned" if scheduled else "got"
+        raise TypeError(f"{name} must be a scalar, but {source} an array of shape "
+                        f"{np.shape(value)}{when}")
 
 
 def in_range(
@@ -85,30 +86,33 @@ def in_range(
     allow_schedule: bool = False,
     allow_none: bool = False,
     finite: bool = False,
-) -> None:
+) -> Any:
     """Check that ``value`` lies in the interval given by ``low``/``high`` (and, with
     ``finite``, is not infinite: a value that would turn finite gradients into non-finite
     outputs, or a stabilizer such as ``eps``). With ``allow_schedule``, a schedule's value at
-    step 0 is checked (:func:`_at_start`)."""
+    step 0 is checked (:func:`_at_start`).
+
+    Returns the number checked (a schedule's value at step 0), or ``None`` where there is none
+    known now (``None`` itself, a traced value, a schedule not evaluable here)."""
     if value is None:
         if allow_none:
-            return
+            return None
         raise TypeError(f"{name} must be a number, got None")
     source = ""
     if allow_schedule and callable(value):
         value = _at_start(name, value)
         if value is None:
-            return
+            return None
         source = " from its schedule at step 0"
     if not _check_number(name, value, allow_schedule and not source):
-        return
+        return None
     v = float(np.asarray(value))
     if np.isnan(v) and low is None and high is None:
         raise ValueError(f"{name} must be a number, got nan{source}")
     lo_ok = low is None or (v >= low if low_inclusive else v > low)
     hi_ok = high is None or (v <= high if high_inclusive else v < high)
     if lo_ok and hi_ok and not np.isnan(v) and not (finite and np.isinf(v)):
-        return
+        return value
     parts = []
     if low is not None:
         parts.append(f"{'>=' if low_inclusive else '>'} {low:g}")
@@ -136,11 +140,10 @@ def positive(name: str, value: Any, *, allow_schedule: bool = False, allow_none:
              finite: bool = False):
     """``value > 0``, in fact at least :func:`smallest_positive` (or a schedule / traced value
     when allowed); ``finite``: as in :func:`in_range`."""
-    in_range(name, value, 0.0, low_inclusive=False, allow_schedule=allow_schedule,
-             allow_none=allow_none, finite=finite)
-    start = start_value(name, value) if allow_schedule else value
-    if is_concrete_number(start) and (v := float(np.asarray(start))) < smallest_positive():
-        source = " from its schedule at step 0" if start is not value else ""
+    start = in_range(name, value, 0.0, low_inclusive=False, allow_schedule=allow_schedule,
+                     allow_none=allow_none, finite=finite)
+    if start is not None and (v := float(np.asarray(start))) < smallest_positive():
+        source = " from its schedule at step 0" if callable(value) else ""
         raise ValueError(f"{name} must be at least {smallest_positive():.3g} "
                          f"({_hyper_dtype().name}'s smallest normal number), got {v!r}{source}")
 
@@ -200,10 +203,7 @@ def resolve(value: ScalarOrSchedule, count: jax.Array, dtype=None, *, name: str)
     scheduled = callable(value)
     if scheduled:
         value = value(count)
-    if np.ndim(value) != 0:
-        source = "its schedule returned" if scheduled else "got"
-        raise TypeError(f"{name} must be a scalar, but {source} an array of shape "
-                        f"{np.shape(value)}")
+    _require_scalar(name, value, scheduled)
     return jnp.asarray(value, dtype=_hyper_dtype() if dtype is None else dtype)
 
 

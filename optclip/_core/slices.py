@@ -36,14 +36,12 @@ def check_bounds(clamp_min: Any, clamp_max: Any) -> None:
         raise ValueError("clamp_min and clamp_max cannot both be None; set at least one bound")
     # An infinite bound on its own side is no bound; on the other side it would set every
     # element to that infinity.
-    checks.in_range("clamp_min", clamp_min, high=math.inf, high_inclusive=False,
-                    allow_none=True, allow_schedule=True)
-    checks.in_range("clamp_max", clamp_max, low=-math.inf, low_inclusive=False,
-                    allow_none=True, allow_schedule=True)
-    low = checks.start_value("clamp_min", clamp_min)
-    high = checks.start_value("clamp_max", clamp_max)
-    if (checks.is_concrete_number(low) and checks.is_concrete_number(high)
-            and float(np.asarray(low)) > float(np.asarray(high))):
+    # The values checked (a schedule's at step 0), None where not known now.
+    low = checks.in_range("clamp_min", clamp_min, high=math.inf, high_inclusive=False,
+                          allow_none=True, allow_schedule=True)
+    high = checks.in_range("clamp_max", clamp_max, low=-math.inf, low_inclusive=False,
+                           allow_none=True, allow_schedule=True)
+    if low is not None and high is not None and float(np.asarray(low)) > float(np.asarray(high)):
         at = " at step 0" if callable(clamp_min) or callable(clamp_max) else ""
         raise ValueError(f"clamp_min must be <= clamp_max, got clamp_min={float(low)!r} > "
                          f"clamp_max={float(high)!r}{at}")
