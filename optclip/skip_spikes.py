@@ -47,8 +47,8 @@ class WindowStats(NamedTuple):
                                       "nonfinite"))
 class SkipSpikesState(NamedTuple):
     inner: Any                # the wrapped transformation's state (unchanged on skipped steps)
-    step: jax.Array           # int32 calls so far (the clock of schedule thresholds)
-    accepted: jax.Array       # int32 steps fed into the statistics
+    accepted: jax.Array       # int32 steps accepted (fed into the statistics and to ``inner``;
+                              # the clock of schedule thresholds)
     norm_stats: Any           # ZScoreStats or WindowStats of the global gradient norm
     loss_stats: Any           # the same statistics of the ``loss`` extra argument
     skipped: jax.Array        # bool: the last step was skipped
@@ -152,7 +152,8 @@ def skip_spikes(
         adam, ``inject_hyperparams(adamw)(...)``, ...). Extra arguments are forwarded to it.
       detector: ``"zscore"`` or ``"mad"``.
       threshold: score above which a step is flagged, ``> 0``; a float or a schedule of the
-        step count.
+        number of steps accepted so far (a skipped step does not advance it, as it does not
+        advance the inner optimizer's count).
       alpha: EMA decay of the z-score statistics, in ``[0, 1)``.
       window: number of accepted norms the ``"mad"`` detector keeps, ``>= 2``.
       warmup_steps: accepted steps before anything but non-finite values is flagged,
@@ -211,7 +212,7 @@ def skip_spikes(
         zero = jnp.zeros((), dtype)
         count = jnp.zeros((), jnp.int32)
         return stats_lib.own_buffers(SkipSpikesState(
-            inner=inner.init(params), step=count, accepted=count,
+            inner=inner.init(params), accepted=count,
             norm_stats=rule.init(dtype), loss_stats=rule.init(dtype),
             skipped=jnp.zeros((), bool), consecutive=count, total_skipped=count,
             score=zero, threshold=zero, norm=zero, loss_score=zero, forced=count,
@@ -263,13 +264,15 @@ class _Rule(NamedTuple):
 
     def judge(self, state, norm, loss) -> _Verdict:
         dtype = norm.dtype
-        thresh = checks.resolve(self.threshold, state.step, dtype, name="threshold")
+        # The schedules' clock: the steps accepted so far, which a skipped step does not advance
+        # (as it does not advance the inner optimizer's count).
+        thresh = checks.resolve(self.threshold, state.accepted, dtype, name="threshold")
         score, spike = self._flag(state.norm_stats, norm, thresh, state)
         finite = jnp.isfinite(norm)
         loss_score, loss_stats = jnp.zeros((), dtype), state.loss_stats
         if loss is not None:
             finite = finite & jnp.isfinite(loss)
-            loss_thresh = checks.resolve(self.loss_threshold, state.step, dtype,
+            loss_thresh = checks.resolve(self.loss_threshold, state.accepted, dtype,
                                          name="loss_threshold")
             loss_score, loss_spike = self._flag(state.loss_stats, loss, loss_thresh, state)
             spike = spike | loss_spike
@@ -287,7 +290,6 @@ class _Rule(NamedTuple):
         keep = functools.partial(stats_lib.keep_if, ~skip)
         return SkipSpikesState(
             inner=new_inner,
-            step=optax.safe_increment(state.step),
             accepted=stats_lib.tally(state.accepted, ~skip),
             norm_stats=keep(self.update(state.norm_stats, norm, state.accepted),
                             state.norm_stats),

@@ -272,12 +272,24 @@ def _property_updates():
             jax.jit(optax.adam(LR).update))
 
 
-def test_threshold_schedule_is_read_at_the_step_count():
-    tx = optclip.skip_spikes(optax.sgd(1.0), threshold=lambda count: 2.0 + count, warmup_steps=2)
-    state = tx.init({"g": jnp.zeros(1)})
-    for _ in range(3):
-        _, state = tx.update({"g": jnp.ones(1)}, state)
-    assert float(state.threshold) == 4.0
+def test_threshold_schedule_counts_the_accepted_steps():
+    """The threshold's schedule reads the steps accepted so far: a skipped step (a spike or a
+    NaN) does not advance it, as it does not advance the inner optimizer's count."""
+    tx = optclip.skip_spikes(optax.adam(LR), threshold=lambda count: 20.0 + count,
+                             warmup_steps=4)
+    update = jax.jit(tx.update)
+    grads = _grads(spike=1000.0)
+    nan = jax.tree.map(lambda g: g.at[0].set(jnp.nan), grads[0])
+    state = tx.init(PARAMS)
+    for g in grads[:SPIKE_STEP]:
+        _, state = update(g, state, PARAMS)
+    assert not bool(state.skipped) and float(state.threshold) == 20.0 + SPIKE_STEP - 1
+    for g in (grads[SPIKE_STEP], nan):
+        _, state = update(g, state, PARAMS)
+        assert bool(state.skipped) and float(state.threshold) == 20.0 + SPIKE_STEP
+    _, state = update(grads[SPIKE_STEP + 1], state, PARAMS)
+    assert not bool(state.skipped) and float(state.threshold) == 20.0 + SPIKE_STEP
+    assert int(state.inner[0].count) == SPIKE_STEP + 1
 
 
 
