@@ -186,7 +186,17 @@ GROWTH = [
           axis_make=lambda a: optclip.clip_norm_growth(ord="l1", axis_name=a),
           bad_args=_BAD_ARGS + (({"ord": "foo"}, "ord"),
                                 ({"parameterwise": 1}, "parameterwise")),
-          thresholds=_thresholds(parameterwise=False), ord_kwargs={"parameterwise": False}),
+          # The l1 norms of the three conformance steps are 72.0, 70.7, 73.7: the cap binds at
+          # the last step against the reference, the second norm, or 72.0 / max_decay where
+          # 70.7 / 72.0 < 1 / max_decay; min_value lifts the reference above the norms, under
+          # a cap below them.
+          thresholds={"add": {"parameterwise": False, "ord": "l1", "add": 0.5},
+                      "mul": {"parameterwise": False, "mul": 1.2},
+                      "min_value": {"parameterwise": False, "ord": "l1", "min_value": 100.0,
+                                    "mul": 0.5},
+                      "max_decay": {"parameterwise": False, "ord": "l1", "mul": 1.0,
+                                    "max_decay": 1.44}},
+          ord_kwargs={"parameterwise": False}),
 ]
 
 
@@ -333,7 +343,9 @@ SPIKES = [
           # adam's first step is -lr * sign(g) (to 1e-8): lr * sqrt(32) for ones(8, 4).
           ones_norm=1e-2 * 32 ** 0.5,
           # (loss_threshold, read only with the loss extra argument: tests/test_skip_spikes.py)
-          thresholds={"threshold": {"inner": _ADAM, "warmup_steps": 2, "threshold": 0.5}},
+          # The last step's score is 1.55: that step is flagged at half the threshold (1.0) and
+          # at the rising schedule's 1.5, not at 2.0 or at 1.6 (that schedule one step on).
+          thresholds={"threshold": {"inner": _ADAM, "warmup_steps": 2, "threshold": 2.0}},
           bad_args=(({"inner": abs}, "inner"),
                     ({"inner": _ADAM, "detector": "median"}, "detector"),
                     ({"inner": _ADAM, "threshold": -1.0}, "threshold"),

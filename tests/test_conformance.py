@@ -618,19 +618,52 @@ def test_inject_hyperparams_traces_every_number_or_names_the_static_ones(entry):
     chex.assert_trees_all_close(outs, plain_outs, rtol=1e-6, atol=1e-7)
 
 
+def _rising(value, shift: int = 0):
+    """The schedule of the step-count rules: from half of ``value`` towards ``value``."""
+    return lambda count: value * (count + 1 + shift) / (count + 2 + shift)
+
+
 @pytest.mark.parametrize(("entry", "name"), _threshold_cases())
 def test_a_nonfinite_step_does_not_advance_a_schedule(entry, name):
     """The step after a skipped (non-finite) one sees the threshold of the skipped step."""
     kwargs = entry.thresholds[name]
-    value = kwargs[name]
-    tx = _factory(entry)(**{**kwargs, name: lambda count: value * (count + 1) / (count + 2)})
+    tx = _factory(entry)(**{**kwargs, name: _rising(kwargs[name])})
     params = _params(entry)
     grads = _grads(entry)
     bad = jax.tree.map(lambda g: jnp.full_like(g, jnp.nan), grads[1])
     update = jax.jit(tx.update)
-    clean, _ = _run(update, tx.init(params), [grads[0], grads[2]], params)
-    skipped, _ = _run(update, tx.init(params), [grads[0], bad, grads[2]], params)
+    clean, _ = _run(update, tx.init(params), grads, params)
+    skipped, _ = _run(update, tx.init(params), [grads[0], bad, *grads[1:]], params)
     chex.assert_trees_all_close(skipped[-1], clean[-1], rtol=1e-6, atol=1e-7)
+
+
+def _moved(a, b, rtol: float = 1e-6, atol: float = 1e-7) -> bool:
+    """Whether trees ``a`` and ``b`` differ by ten times the tolerance the schedule rules
+    compare with, so a rule that compares them would notice."""
+    diff = max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(_float_leaves(a), _float_leaves(b)))
+    size = max(float(jnp.max(jnp.abs(y))) for y in _float_leaves(b))
+    return diff > 10 * (atol + rtol * size)
+
+
+@pytest.mark.parametrize(("entry", "name"), _threshold_cases())
+def test_every_registered_threshold_is_read_by_the_rules_steps(entry, name):
+    """The schedule rules above can only fail on a threshold the conformance steps read: each
+    entry of ``Entry.thresholds`` is built so that, on the suite's three steps, halving its
+    value changes the outputs (a constant schedule read wrongly would show), and advancing its
+    rising schedule by one step changes the last output (a schedule advanced on a skipped step
+    would show). A warm-up, a cap that never binds or a reference that never decays leaves the
+    rules vacuous."""
+    kwargs = entry.thresholds[name]
+    value = kwargs[name]
+    params = _params(entry)
+    grads = _grads(entry)
+
+    def steps(threshold):
+        tx = _factory(entry)(**{**kwargs, name: threshold})
+        return _run(jax.jit(tx.update), tx.init(params), grads, params)[0]
+
+    assert any(_moved(a, b) for a, b in zip(steps(value / 2), steps(value))), "never read"
+    assert _moved(steps(_rising(value, 1))[-1], steps(_rising(value))[-1]), "not read last"
 
 
 def _nonfinite_count(state) -> int:
