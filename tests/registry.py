@@ -355,8 +355,10 @@ SPIKES = [
                     ({"inner": _ADAM, "alpha": 1.0}, "alpha"))),
     Entry("adagc", lambda: optclip.adagc(warmup_steps=1),
           axis_make=lambda a: optclip.adagc(warmup_steps=1, axis_name=a), ones_norm=1.0,
-          thresholds={"lambda_abs": {"warmup_steps": 3, "lambda_abs": 0.5},
-                      "lambda_rel": {"warmup_steps": 1, "lambda_rel": 0.5}},
+          # lambda_rel first: the inject_hyperparams rule builds with the first threshold's
+          # arguments, and a warm-up of 1 step reaches the per-tensor phase (beta, lambda_rel).
+          thresholds={"lambda_rel": {"warmup_steps": 1, "lambda_rel": 0.5},
+                      "lambda_abs": {"warmup_steps": 3, "lambda_abs": 0.5}},
           bad_args=(({"lambda_abs": 0.0}, "lambda_abs"), ({"lambda_rel": -1.0}, "lambda_rel"),
                     ({"beta": 1.0}, "beta"), ({"warmup_steps": 0}, "warmup_steps"),
                     ({"eps": -1.0}, "eps"))),
