@@ -53,6 +53,17 @@ def adagc(
     * afterwards, per tensor: ``h_i = min(1, lambda_rel * gamma_i / (||g_i|| + eps))``,
       ``g_i <- h_i g_i``, and ``gamma_i <- beta * gamma_i + (1 - beta) * h_i ||g_i||``.
 
+    A tensor whose gradient is exactly 0 at a step leaves ``gamma_i`` as it was (it took no
+    part in the step), and a tensor without history yet (``gamma_i = 0``: all its gradients so
+    far were 0) follows the warm-up's rule, whatever the step, until its first non-zero
+    gradient sets ``gamma_i``. Taken literally, the paper's rule freezes such tensors: a
+    zero-initialised branch (LoRA's ``A`` while ``B = 0``, adaLN-Zero, ReZero) has a zero
+    gradient at the first step, the warm-up's minimum makes its ``gamma_i`` 0, and after the
+    warm-up every update of it is 0, for good; a tensor left out of the steps for a while (an
+    expert no token was routed to, a layer frozen for a time) would come back clipped to a
+    fraction of its scale (``beta`` to the power of the steps it missed) and regain it by
+    ``0.1%`` a step.
+
     The threshold of each tensor follows that tensor's own scale (embeddings, attention and
     MLP tensors differ by orders of magnitude) and its decay over training, which one global
     threshold cannot. A step with a NaN/Inf gradient leaves the state as it was (counted in
@@ -85,7 +96,8 @@ def adagc(
       4.1's ``AdaGC``. Differences from pytorch-optimizer's ``AdaGC``: its warm-up covers
       steps ``1 .. warmup_steps - 1`` (here the first ``warmup_steps`` steps) and its
       per-tensor rule clamps ``gamma_i`` and ``||g_i||`` at ``eps`` instead of adding ``eps``
-      (the same numbers unless a norm is near ``eps``).
+      (the same numbers unless a norm is near ``eps``). Both the paper and
+      pytorch-optimizer take a zero gradient into ``gamma_i``; optclip skips it (above).
 
     Example:
       >>> import jax.numpy as jnp, optax, optclip
@@ -157,11 +169,16 @@ def _decide(norm: jax.Array, gamma: jax.Array, rule: _Rule) -> tuple[jax.Array, 
     in the group's statistics dtype)."""
     rel_thresh = checks.resolve(rule.lambda_rel, rule.count, gamma.dtype, name="lambda_rel")
     local = jnp.minimum(1.0, rel_thresh * gamma / (norm + rule.eps))
-    scale = jnp.where(rule.warm, rule.warm_scale.astype(gamma.dtype), local)
+    # A tensor without history (every gradient so far exactly 0) follows the warm-up's rule
+    # at any step: its relative threshold would be 0 and would keep it at 0 for good.
+    fresh = ~(gamma > 0)
+    global_rule = rule.warm | fresh
+    scale = jnp.where(global_rule, rule.warm_scale.astype(gamma.dtype), local)
     clipped_norm = scale * norm
-    warm_gamma = jnp.where(rule.count == 0, clipped_norm, jnp.minimum(gamma, clipped_norm))
+    warm_gamma = jnp.where(fresh, clipped_norm, jnp.minimum(gamma, clipped_norm))
     ema = rule.beta * gamma + (1 - rule.beta) * clipped_norm
-    return scale, jnp.where(rule.warm, warm_gamma, ema)
+    # A gradient of exactly 0 (the tensor took no part in the step) says nothing of its scale.
+    return scale, jnp.where(norm > 0, jnp.where(global_rule, warm_gamma, ema), gamma)
 
 
 def _norms(leaves: list[jax.Array], updates: Any, axis_name: norms.AxisName

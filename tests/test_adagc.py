@@ -36,23 +36,25 @@ def _grads(seed=0, n=10):
 
 
 def _oracle(grads, lambda_abs=1.0, lambda_rel=1.05, beta=0.98, warmup=WARMUP, eps=1e-8):
-    """AdaGC in float64, one dict of arrays per step."""
-    gamma: dict[str, float] = {}
+    """AdaGC in float64, one dict of arrays per step: the paper's rule, except that a tensor
+    whose gradient is exactly 0 keeps its gamma, and one without history (gamma 0) is clipped
+    by the warm-up's rule at any step."""
+    gamma = {k: 0.0 for k in grads[0]}
     outs = []
     for t, g in enumerate(grads):
         g = {k: np.asarray(v, np.float64) for k, v in g.items()}
         leaf = {k: np.sqrt(np.sum(v ** 2)) for k, v in g.items()}
+        h_abs = min(1.0, lambda_abs / (np.sqrt(sum(n ** 2 for n in leaf.values())) + eps))
         out = {}
-        if t < warmup:
-            h = min(1.0, lambda_abs / (np.sqrt(sum(n ** 2 for n in leaf.values())) + eps))
-            for k, v in g.items():
-                out[k] = h * v
-                gamma[k] = h * leaf[k] if t == 0 else min(gamma[k], h * leaf[k])
-        else:
-            for k, v in g.items():
+        for k, v in g.items():
+            if t < warmup or gamma[k] == 0:
+                h = h_abs
+                new = h * leaf[k] if gamma[k] == 0 else min(gamma[k], h * leaf[k])
+            else:
                 h = min(1.0, lambda_rel * gamma[k] / (leaf[k] + eps))
-                out[k] = h * v
-                gamma[k] = beta * gamma[k] + (1 - beta) * h * leaf[k]
+                new = beta * gamma[k] + (1 - beta) * h * leaf[k]
+            out[k] = h * v
+            gamma[k] = new if leaf[k] > 0 else gamma[k]
         outs.append(out)
     return outs, gamma
 
@@ -95,6 +97,30 @@ def test_spike_in_one_tensor_is_clipped_while_the_larger_one_passes():
     np.testing.assert_array_equal(np.asarray(out["b"]), grads[6]["b"])
     clipped = optclip.per_leaf(state.clipped, g)
     assert bool(clipped["w"]) and not bool(clipped["b"])
+
+
+def _zero_at(grads, key, steps):
+    return [{**g, key: np.zeros_like(g[key])} if t in steps else g for t, g in enumerate(grads)]
+
+
+@pytest.mark.parametrize("steps", [{0}, {0, 1, 2, 3, 4}, {4, 5, 6}],
+                         ids=["first-step", "whole-warm-up", "left-out-after-warm-up"])
+def test_a_tensor_with_zero_gradients_trains_on_afterwards(steps):
+    """A zero gradient (a zero-initialised branch at the first step, a tensor left out of some
+    steps) leaves the tensor's gamma as it was: the paper's warm-up minimum made it 0, and every
+    later update of that tensor 0; after the warm-up its EMA decayed towards 0."""
+    tx, update = _jitted()
+    grads = _zero_at(_grads(n=12), "w", steps)
+    expected, gamma = _oracle(grads)
+    state = tx.init(jax.tree.map(jnp.asarray, grads[0]))
+    for g, want in zip(grads, expected):
+        out, state = update(jax.tree.map(jnp.asarray, g), state)
+        chex.assert_trees_all_close(out, jax.tree.map(np.float32, want), rtol=2e-6, atol=1e-7)
+    chex.assert_trees_all_close(optclip.per_leaf(state.gamma, gamma),
+                                jax.tree.map(np.float32, gamma), rtol=2e-6)
+    # After the zeros, "w" moves about as far as in a run without them, not 0 or a sliver.
+    clean, _ = _oracle(_grads(n=12))
+    assert np.linalg.norm(out["w"]) > 0.5 * np.linalg.norm(clean[-1]["w"])
 
 
 def test_in_a_chain_with_adam_matches_adam_on_the_oracle_gradients():
