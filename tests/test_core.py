@@ -144,6 +144,13 @@ WRAPPERS = {
     "partition": lambda: optax.partition(
         {"clip": optclip.clip_by_global_norm(1.0), "none": optax.identity()},
         {"w": "clip", "b": "none"}),
+    # optclip's own wrappers: what they wrap is reported too.
+    "skip_spikes": lambda: optclip.skip_spikes(
+        optax.chain(optclip.clip_by_global_norm(1.0), optax.sgd(0.1)), warmup_steps=2),
+    "spam_clip": lambda: optclip.spam_clip(
+        optax.chain(optclip.clip_by_global_norm(1.0), optax.adam(1e-3))),
+    "hist_clip_warm_up": lambda: optclip.hist_clip(
+        warmup_transform=optclip.clip_by_global_norm(1.0), warmup_steps=2),
 }
 
 
@@ -161,6 +168,10 @@ def test_stats_through_optax_wrappers_under_jit(wrapper):
     np.testing.assert_allclose(float(logged["clip_by_global_norm/norm"]), expected_norm, rtol=1e-6)
     assert bool(logged["clip_by_global_norm/clipped"])
     assert int(logged["clip_by_global_norm/nonfinite"]) == 0
+    wrapped_by = {"skip_spikes": "skip_spikes", "spam_clip": "spam_clip",
+                  "hist_clip_warm_up": "hist_clip"}
+    if wrapper in wrapped_by:   # and the wrapper's own keys
+        assert f"{wrapped_by[wrapper]}/nonfinite" in logged
 
 
 def test_stats_names_repeated_transforms_and_summarises_per_leaf_fields():

@@ -10,7 +10,7 @@ what the states already hold, so logging costs no extra pass over the gradients.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -75,13 +75,15 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
     """Flat, loggable scalars from every optclip transform found in ``opt_state``.
 
     Keys are ``"<transform>/<field>"``; a transform used twice gets ``"<transform>_1/..."``
-    for its second occurrence (in pytree order). Per-leaf or per-slice values (a tree of them,
-    even of one leaf, or a vector with one entry per floating leaf) are summarised as
-    ``<field>_max`` and ``<field>_mean`` (numbers) or ``<field>_frac`` (flags: the fraction
-    set); the full values stay in the state (:func:`optclip.per_leaf` gives a vector back as a
-    tree). A scalar is reported as it is (so is the per-slice value of a parameter that is a
-    single array with one slice, except for fields a transform always summarises). Pure and
-    traceable: call it inside ``jax.jit``. A flax ``nnx.Optimizer`` is read through its
+    for its second occurrence (in pytree order, a wrapper before what it wraps: the optimizer
+    inside ``skip_spikes`` or ``spam_clip``, ``hist_clip``'s warm-up transform). Per-leaf or
+    per-slice values (a tree of them, even of one leaf, or a vector with one entry per
+    floating leaf) are summarised as ``<field>_max`` and ``<field>_mean`` (numbers) or
+    ``<field>_frac`` (flags: the fraction set); the full values stay in the state
+    (:func:`optclip.per_leaf` gives a vector back as a tree). A scalar is reported as it is
+    (so is the per-slice value of a parameter that is a single array with one slice, except
+    for fields a transform always summarises). Pure and traceable: call it inside
+    ``jax.jit``. A flax ``nnx.Optimizer`` is read through its
     ``opt_state``; ``nnx.state(optimizer)`` has lost the state types and raises ``TypeError``.
 
     Example:
@@ -96,8 +98,8 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
     """
     if checks.is_flax(opt_state, "Optimizer"):  # a flax nnx.Optimizer: read its optax state
         opt_state = opt_state.opt_state
-    found = jax.tree.leaves(opt_state, is_leaf=lambda x: type(x) in _REGISTRY)
-    if checks.is_flax(opt_state, "State") and not any(type(x) in _REGISTRY for x in found):
+    found = list(_registered(opt_state))
+    if checks.is_flax(opt_state, "State") and not found:
         raise TypeError(
             "optclip.stats got a flax nnx.State (such as nnx.state(optimizer)), which keeps the "
             "arrays but not the optax state types that identify each transform; pass the "
@@ -105,14 +107,23 @@ def stats(opt_state: Any) -> dict[str, jax.Array]:
     out: dict[str, jax.Array] = {}
     seen: collections.Counter[str] = collections.Counter()
     for state in found:
-        if type(state) not in _REGISTRY:
-            continue
         name, fields, per_leaf = _REGISTRY[type(state)]
         prefix = name if seen[name] == 0 else f"{name}_{seen[name]}"
         seen[name] += 1
         for field in fields:
             out.update(_summarise(f"{prefix}/{field}", getattr(state, field), field in per_leaf))
     return out
+
+
+def _registered(tree: Any) -> Iterator[Any]:
+    """The states of optclip transforms in ``tree``, in pytree order, each followed by those
+    nested in it (the state of the optimizer ``skip_spikes`` or ``spam_clip`` wraps, of
+    ``hist_clip``'s warm-up transform)."""
+    for node in jax.tree.leaves(tree, is_leaf=lambda x: type(x) in _REGISTRY):
+        if type(node) in _REGISTRY:
+            yield node
+            reported = _REGISTRY[type(node)][1]
+            yield from _registered([getattr(node, f) for f in node._fields if f not in reported])
 
 
 def keep_finite(new: Any, old: Any) -> Any:
