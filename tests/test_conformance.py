@@ -157,6 +157,29 @@ def test_state_is_a_pytree_of_arrays_and_stats_are_scalars(entry):
         assert np.isfinite(np.asarray(value, np.float64)), key
 
 
+def _stats_keys(tx, params) -> set[str]:
+    """The keys ``optclip.stats`` gives for ``tx``'s state (traced: nothing is compiled)."""
+    return set(jax.eval_shape(lambda p: optclip.stats(tx.init(p)), params))
+
+
+@pytest.mark.parametrize("entry", [e for e in ALL_ENTRIES if e.has_stats], ids=str)
+def test_stats_finds_the_transform_inside_wrappers(entry):
+    """Convention 3: ``optclip.stats`` reports the transform wherever it sits: where its docs
+    place it in a step, inside optax's wrappers and inside optclip's own (``skip_spikes``
+    around the whole step, which adds its own keys)."""
+    params = _params(entry)
+    own = _stats_keys(entry.make(), params)
+    step = with_adam(entry)[0]
+    outer = len(_stats_keys(optclip.skip_spikes(optax.adam(1e-3)), params))
+    for wrapped, added in ((step, 0), (optax.MultiSteps(step, 2), 0),
+                           (optax.apply_if_finite(step, 2), 0),
+                           (optclip.skip_spikes(step), outer)):
+        keys = _stats_keys(wrapped, params)
+        assert len(keys) == len(own) + added, sorted(keys)
+        if not added:
+            assert keys == own
+
+
 # Transforms whose per-leaf values are per slice (the slices of a leaf, shaped like the leaf
 # with the reduced axes removed), as the registry builds them: a leaf of one slice keeps a
 # 0-d array in their trees. (clip_norm and normalize keep vectors where every leaf is one
