@@ -65,11 +65,9 @@ def _jitted():
     return tx, jax.jit(tx.update)
 
 
-@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
-def test_matches_the_numpy_oracle_step_by_step(jit):
-    tx, jitted = _jitted()
-    update = jitted if jit else tx.update
-    grads = _grads()
+def _replay_against_the_oracle(tx, update, grads):
+    """Runs ``grads`` through ``update`` step by step, each output and the final gamma held to
+    the oracle's; returns the last output and state."""
     expected, gamma = _oracle(grads)
     state = tx.init(jax.tree.map(jnp.asarray, grads[0]))
     for g, want in zip(grads, expected):
@@ -77,6 +75,14 @@ def test_matches_the_numpy_oracle_step_by_step(jit):
         chex.assert_trees_all_close(out, jax.tree.map(np.float32, want), rtol=2e-6, atol=1e-7)
     chex.assert_trees_all_close(optclip.per_leaf(state.gamma, gamma),
                                 jax.tree.map(np.float32, gamma), rtol=2e-6)
+    return out, state
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_matches_the_numpy_oracle_step_by_step(jit):
+    tx, jitted = _jitted()
+    grads = _grads()
+    _, state = _replay_against_the_oracle(tx, jitted if jit else tx.update, grads)
     # The spike in "w" (step 6) was clipped on its own; "b", 100x larger, was left alone.
     assert int(state.count) == len(grads)
 
@@ -109,15 +115,7 @@ def test_a_tensor_with_zero_gradients_trains_on_afterwards(steps):
     """A zero gradient (a zero-initialised branch at the first step, a tensor left out of some
     steps) leaves the tensor's gamma as it was: the paper's warm-up minimum made it 0, and every
     later update of that tensor 0; after the warm-up its EMA decayed towards 0."""
-    tx, update = _jitted()
-    grads = _zero_at(_grads(n=12), "w", steps)
-    expected, gamma = _oracle(grads)
-    state = tx.init(jax.tree.map(jnp.asarray, grads[0]))
-    for g, want in zip(grads, expected):
-        out, state = update(jax.tree.map(jnp.asarray, g), state)
-        chex.assert_trees_all_close(out, jax.tree.map(np.float32, want), rtol=2e-6, atol=1e-7)
-    chex.assert_trees_all_close(optclip.per_leaf(state.gamma, gamma),
-                                jax.tree.map(np.float32, gamma), rtol=2e-6)
+    out, _ = _replay_against_the_oracle(*_jitted(), _zero_at(_grads(n=12), "w", steps))
     # After the zeros, "w" moves about as far as in a run without them, not 0 or a sliver.
     clean, _ = _oracle(_grads(n=12))
     assert np.linalg.norm(out["w"]) > 0.5 * np.linalg.norm(clean[-1]["w"])
