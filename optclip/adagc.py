@@ -26,7 +26,7 @@ __all__ = ["AdaGCState", "adagc"]
 class AdaGCState(NamedTuple):
     count: jax.Array      # int32 finite steps so far (warm-up while < warmup_steps)
     gamma: jax.Array      # (F,) per leaf: EMA (after warm-up) or minimum (warm-up) of the
-                          # clipped norms
+                          # non-zero clipped norms; 0 until the first one
     norm: jax.Array       # (F,) per leaf: last pre-clip norm
     scale: jax.Array      # (F,) per leaf: factor applied at the last step
     clipped: jax.Array    # (F,) per leaf: bool, scale < 1
