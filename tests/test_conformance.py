@@ -852,8 +852,10 @@ def test_meta_gradient_matches_finite_differences_with_a_large_leaf(entry, devic
                            for _ in range(3))
         tx = entry.make()
         # One step first: the derivative is taken where running statistics are in play.
-        _, state = tx.update(jax.tree.map(lambda x: x / 2, grads), tx.init(params), params)
+        _, state = jax.jit(tx.update)(jax.tree.map(lambda x: x / 2, grads), tx.init(params),
+                                      params)
 
+        @jax.jit
         def loss(updates, params):
             out, _ = tx.update(updates, state, params)
             return sum(jnp.sum(jnp.sin(o) * w) for o, w in zip(jax.tree.leaves(out),
