@@ -1146,8 +1146,8 @@ def test_the_leaves_order_and_other_leaves_change_no_leaf_output(entry):
 
 
 def _same_shape_leaves(seed: int, nan: bool = False) -> dict:
-    """16 small float leaves, at least three of each shape and dtype (float32 and bfloat16),
-    an int32 leaf; ``nan``: a NaN in one of them."""
+    """16 small float leaves, two of each shape in each dtype (float32 and bfloat16), so each
+    pair can share a reduction, and an int32 leaf; ``nan``: a NaN in one of them."""
     rng = np.random.default_rng(seed)
     tree = {f"leaf{j:02d}": jnp.asarray(rng.normal(size=_MANY_SHAPES[j % 4]) * 2.0 ** (j % 3),
                                         _MANY_DTYPES[j // 8])
