@@ -4,7 +4,7 @@ cache, hypothesis profiles."""
 import os
 
 # Must happen before jax is imported anywhere: 8 host CPU devices for the sharding tests, beside
-# any other XLA flags already set (`make test` sets one for its floor run), unless a count is.
+# any other XLA flags already set (`make test` sets some for its floor run), unless a count is.
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = " ".join(
         [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]).strip()
