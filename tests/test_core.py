@@ -190,6 +190,17 @@ def test_stats_names_repeated_transforms_and_summarises_per_leaf_fields():
     assert set(optclip.stats(optax.adam(1e-3).init(PARAMS))) == set()
 
 
+def test_per_leaf_means_of_huge_finite_values_stay_finite():
+    """A per-leaf field of finite values near float32's largest has a finite, right mean
+    (summed before dividing, it overflowed to inf)."""
+    tx = optclip.clip_value(1.0)
+    grads = {"w": jnp.full((8, 4), 3e38, jnp.float32), "b": jnp.full((4,), -2e38, jnp.float32)}
+    _, state = tx.update(grads, tx.init(grads))
+    logged = optclip.stats(state)
+    np.testing.assert_allclose(float(logged["clip_value/max_abs_mean"]), 2.5e38, rtol=1e-6)
+    assert float(logged["clip_value/max_abs_max"]) == np.float32(3e38)
+
+
 def test_nonfinite_step_keeps_the_last_finite_diagnostics_and_counts():
     tx = optclip.clip_by_global_norm(1.0)
     _, state = tx.update(GRADS, tx.init(PARAMS))
