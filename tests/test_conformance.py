@@ -79,6 +79,22 @@ def test_jit_matches_eager(entry):
 
 
 @entries
+def test_disable_jit_matches_jit(entry):
+    """Under ``jax.disable_jit()`` with ``jax_debug_nans`` (how the docs say to hunt a NaN)
+    every operation runs in Python, loop and branch bodies included (a ``fori_loop`` index is
+    then a Python int): no NaN formed from finite gradients, and the same outputs and states
+    as under ``jax.jit``."""
+    tx, update = _compiled(entry.name)
+    params = _params(entry)
+    grads = _grads(entry)[:2]
+    jit_out, jit_state = _run(update, tx.init(params), grads, params)
+    with jax.disable_jit(), jax.debug_nans(True):
+        out, state = _run(tx.update, tx.init(params), grads, params)
+    chex.assert_trees_all_close(out, jit_out, rtol=entry.rtol, atol=1e-6)
+    chex.assert_trees_all_close(state, jit_state, rtol=entry.rtol, atol=1e-6)
+
+
+@entries
 def test_finite_gradients_form_no_nan_that_jax_debug_nans_would_flag(entry):
     """``jax_debug_nans`` (JAX's way to find where a NaN first appears) checks every operation
     outside ``jax.jit``: finite gradients never make a transform form a NaN there, not even a
@@ -721,7 +737,8 @@ def _large_tree(seed: int) -> dict:
 
 
 # The int32 scalars of the states that count steps or events without a bound of their own.
-_COUNTERS = ("count", "step", "nonfinite", "spikes", "accepted", "total_skipped", "forced")
+_COUNTERS = ("count", "step", "nonfinite", "spikes", "accepted", "total_skipped", "forced",
+             "resets")
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
 

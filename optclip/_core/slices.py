@@ -641,8 +641,9 @@ def _largest(lows: list, widths: list, counts: list, wanted: list, counted: list
         def grow(r, carry, group=group, n=n):
             out = []
             for i, (low, best) in zip(group, carry):
+                # jnp.asarray, not .astype: under jax.disable_jit() ``r`` is a Python int.
                 middle = low + jnp.left_shift(jnp.asarray(1, low.dtype),
-                                              (n - 1 - r).astype(low.dtype))
+                                              jnp.asarray(n - 1 - r, low.dtype))
                 at_middle = counts[i](middle)
                 enough = at_middle >= jnp.asarray(wanted[i]).astype(at_middle.dtype)
                 out.append((jnp.where(enough, middle, low), jnp.where(enough, at_middle, best)))
