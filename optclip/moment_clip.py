@@ -373,7 +373,7 @@ def spam_clip(
                                      state.inner, params, extra_args, prepare, held_nan=True)
         return out, _commit(finite, SpamClipState(
             inner=new_inner, count=step, clipped_fraction=fraction, clip_active=active,
-            reset=reset, resets=state.resets + reset.astype(jnp.int32),
+            reset=reset, resets=stats_lib.tally(state.resets, reset),
             nonfinite=state.nonfinite), state)
 
     return checks.transformation(init_fn, update_fn, extra_args=True)

@@ -206,6 +206,17 @@ def test_spam_reset_zeroes_moments_and_count():
                                (1 - B2) * _grads()[3]["w"] ** 2, rtol=1e-6)
 
 
+def test_spam_reset_count_saturates_instead_of_wrapping():
+    """With ``reset_interval=1`` every step resets: the ``resets`` count stops at the int32
+    maximum, as the other counters do, instead of wrapping to a negative number."""
+    tx = optclip.spam_clip(optax.adam(LR), reset_interval=1)
+    state = tx.init(PARAMS)._replace(resets=jnp.asarray(np.iinfo(np.int32).max - 1, jnp.int32))
+    for g in _grads()[:2]:
+        _, state = tx.update(jax.tree.map(jnp.asarray, g), state, PARAMS)
+        assert bool(state.reset)
+    assert int(state.resets) == np.iinfo(np.int32).max
+
+
 @pytest.mark.parametrize("case", ["spam", "adamw_clip", "stable_adamw"])
 def test_wrapping_adamw_chain_and_inject_hyperparams_gives_the_same_updates(case):
     make = CASES[case][0]
