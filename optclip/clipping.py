@@ -209,7 +209,7 @@ def clip_grad_norm(
     ``g <- g * min(1, max_norm / ||g||) * max(1, min_norm / ||g||)`` per slice (see the axes
     vocabulary), or over all leaves with ``dim='global'``. Per leaf by default (unlike
     ``torch.nn.utils.clip_grad_norm_``), and with ``min_size=2`` one-element slices are left
-    alone. A slice whose norm is below ``1e-12`` is never scaled.
+    alone. ``min_norm`` never scales up a slice whose norm is at most ``1e-12``.
 
     Args:
       grads: a pytree of arrays.
