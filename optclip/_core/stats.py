@@ -62,13 +62,12 @@ def _summarise(key: str, value: Any, per_leaf: bool) -> dict[str, jax.Array]:
         return {}
     if not per_leaf and _is_scalar(value):
         return {key: leaves[0].reshape(())}
+    count = sum(x.size for x in leaves)
     if all(x.dtype == jnp.bool_ for x in leaves):
         hits = sum(jnp.sum(x, dtype=jnp.int32) for x in leaves)
-        total = sum(x.size for x in leaves)
-        return {f"{key}_frac": hits.astype(jnp.float32) / total}
+        return {f"{key}_frac": hits.astype(jnp.float32) / count}
     # The mean sums each value already divided by the count: a sum of finite values near
     # float32's largest would overflow to inf before the division.
-    count = sum(x.size for x in leaves)
     return {f"{key}_max": jnp.max(jnp.stack([jnp.max(x).astype(jnp.float32) for x in leaves])),
             f"{key}_mean": sum(jnp.sum(x.astype(jnp.float32) / count) for x in leaves)}
 
