@@ -81,7 +81,7 @@ def _projection(name: str, measure, apply, state_cls: type, limits, axis_name: n
             # size of the leaf); as two expressions, each is fused into its own pass.
             def target(u, p):
                 return (u - (-p) if for_reduction else p + u).astype(p.dtype)
-            return jax.tree.map(lambda u, p: target(u, p) if norms.is_float(u) else p,
+            return jax.tree.map(lambda u, p: target(u, p) if norms.is_float(p) else p,
                                 updates, params)
 
         at = limits(state.count)
@@ -90,12 +90,13 @@ def _projection(name: str, measure, apply, state_cls: type, limits, axis_name: n
         # The updates wait for the check: no copy of the donated updates buffers for it.
         projected = apply(build(), stats_lib.after(finite, at), measured)
         new_updates = jax.tree.map(
-            lambda u, px, p: (px - p).astype(u.dtype) if norms.is_float(u) else u,
+            lambda u, px, p: (px - p).astype(u.dtype) if norms.is_float(p) else u,
             updates, projected, params)
         new_state = state_cls(*diag, state.nonfinite, optax.safe_increment(state.count))
         return new_updates, stats_lib.commit(finite, new_state, state)
 
-    return checks.transformation(init_fn, update_fn, pairs_leaves=pairs_leaves)
+    return checks.transformation(init_fn, update_fn, pairs_leaves=pairs_leaves,
+                                 state_follows_params=True)
 
 
 # The longest slice whose sums of squares come from one variadic reduce (_slice_norms): its

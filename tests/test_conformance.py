@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import optclip
-from tests.registry import ALL_ENTRIES, WRAPPED, Entry, with_adam
+from tests.registry import ALL_ENTRIES, PLACEMENT, WRAPPED, Entry, with_adam
 
 # Public names that are not transform factories (functions of trees, clip functions, criteria).
 NOT_TRANSFORMS = {
@@ -951,6 +951,30 @@ def test_python_float_and_zero_d_leaves(entry):
     assert out_array["i"].dtype == jnp.int32
     chex.assert_trees_all_close(jax.tree.map(jnp.asarray, out_float), out_array,
                                 rtol=1e-6, atol=1e-7)
+
+
+@entries
+def test_an_integer_parameter_after_adam_is_passed_on_or_named(entry):
+    """An integer parameter whose update comes from an optimizer before the transform
+    (``optax.adam`` gives it a floating-point one): a projection, whose state follows the
+    parameters, passes that update on as it was; any other transform either runs or refuses
+    the step with an error naming the leaf and the way out (``optax.masked``)."""
+    adam = optax.adam(1e-2)
+    tx = optax.chain(adam, entry.make())
+    params = _odd_leaves(entry)
+    grads = {**entry.tree(jnp.float32, 4), "t": jnp.asarray(0.3, jnp.float32),
+             "i": jnp.zeros(3, jnp.int32)}
+    state = tx.init(params)
+    try:
+        out, _ = jax.jit(tx.update)(grads, state, params)
+    except ValueError as err:
+        assert PLACEMENT.get(entry.name) != "after", f"a projection refused the step: {err}"
+        assert re.search(_whole_word("i"), str(err)) and "optax.masked" in str(err), str(err)
+        return
+    if PLACEMENT.get(entry.name) == "after":
+        adam_out, _ = adam.update(grads, adam.init(params), params)
+        np.testing.assert_array_equal(out["i"], adam_out["i"])
+        assert out["i"].dtype == adam_out["i"].dtype
 
 
 @entries

@@ -253,8 +253,8 @@ def params_like(updates: Any, params: Any, name: str) -> None:
 
 
 def transformation(init_fn: Callable[[Any], Any], update_fn: Callable[..., Any], *,
-                   extra_args: bool = False, pairs_leaves: bool = False
-                   ) -> optax.GradientTransformation:
+                   extra_args: bool = False, pairs_leaves: bool = False,
+                   state_follows_params: bool = False) -> optax.GradientTransformation:
     """The ``optax.GradientTransformation`` of ``init_fn``/``update_fn``, with the tree contract.
 
     Every transform is built here, so all of them: see Python-float leaves as 0-d arrays
@@ -266,6 +266,12 @@ def transformation(init_fn: Callable[[Any], Any], update_fn: Callable[..., Any],
     (per-leaf vectors, :mod:`optclip._core.leafvec`): its state's shapes do not show which leaf
     changed, or a leaf renamed, so ``update`` also compares the updates' leaf paths with those
     of the trees this transformation's ``init`` was given (when it was given any).
+
+    ``state_follows_params=True`` for a transform that sizes its state by the parameters' dtypes
+    (a projection keeps nothing for an integer parameter, whatever update the optimizer before
+    it gives that leaf): ``update`` then compares ``params`` with the trees ``init`` was given
+    when they pair with the updates leaf for leaf (else the updates, and the transform's own
+    check names the mismatch).
 
     With ``extra_args=True`` the result is an ``optax.GradientTransformationExtraArgs`` whose
     ``update(updates, state, params=None, **extra_args)`` forwards the keyword arguments to
@@ -287,12 +293,25 @@ def transformation(init_fn: Callable[[Any], Any], update_fn: Callable[..., Any],
     def update(updates, state, params=None, **extra):
         updates = arrays(updates)
         state = on_device(state)
-        matches_init(init_fn, updates, state, built, pairs_leaves)
-        return update_fn(updates, state, None if params is None else arrays(params), **extra)
+        params = None if params is None else arrays(params)
+        like = params if state_follows_params and _same_shapes(params, updates) else updates
+        matches_init(init_fn, like, state, built, pairs_leaves)
+        return update_fn(updates, state, params, **extra)
 
     if extra_args:
         return optax.GradientTransformationExtraArgs(init, update)
     return optax.GradientTransformation(init, update)
+
+
+def _same_shapes(params: Any, updates: Any) -> bool:
+    """Whether ``params`` is a tree of the updates' structure and leaf shapes (where it is not,
+    the transform's own check names the mismatch)."""
+    if params is None:
+        return False
+    p_leaves, p_def = jax.tree.flatten(params)
+    u_leaves, u_def = jax.tree.flatten(updates)
+    return p_def == u_def and all(np.shape(p) == np.shape(u)
+                                  for p, u in zip(p_leaves, u_leaves))
 
 
 def _signature(tree: Any) -> tuple:
@@ -333,7 +352,7 @@ def matches_init(init_fn: Callable[[Any], Any], updates: Any, state: Any,
         raise ValueError(
             "update got a tree that does not match the one init was given (state leaves "
             f"the updates would need but the state lacks: {new or 'none'}; state leaves with "
-            f"no matching update: {missing or 'none'}); call init on the new tree")
+            f"no matching update: {missing or 'none'}){_changed_leaves(updates, built, have)}")
     for key, shape in want.items():
         if have[key] != shape:
             raise ValueError(
@@ -346,7 +365,7 @@ def matches_init(init_fn: Callable[[Any], Any], updates: Any, state: Any,
             raise ValueError(
                 "update got a tree whose leaves are not those init was given (this state "
                 "pairs per-leaf values with leaves by position)"
-                f"{_changed_leaves(updates, built, have)}; call init on the new tree")
+                f"{_changed_leaves(updates, built, have)}")
 
 
 def _leaf_paths(tree: Any) -> tuple[str, ...]:
@@ -369,21 +388,39 @@ def _leaf_paths_of(signature: tuple) -> tuple[str, ...]:
 
 
 def _changed_leaves(updates: Any, built: dict | None, have: dict) -> str:
-    """`` (leaves ...)``: the leaves of ``updates`` that differ from those of a tree ``init``
-    was given (the one whose state is ``have``, else the closest), or ``""`` when ``init`` has
-    seen no tree here."""
+    """`` (leaves ...)`` naming the leaves of ``updates`` that differ from those of a tree
+    ``init`` was given (the one whose state is ``have``, else the closest), and what to do.
+
+    The advice is to call ``init`` on the new tree, unless the only change is a leaf of the
+    same shape that is floating-point on one side and not on the other: an optimizer before
+    this transform (``optax.adam``) gives an integer parameter a floating-point update, and the
+    state ``init`` built from the integer parameter has nothing for it.
+    """
+    renew = "; call init on the new tree"
     if not built:
-        return ""
+        return renew
     now = {jax.tree_util.keystr(path): (np.shape(x), jnp.result_type(x))
            for path, x in jax.tree_util.tree_flatten_with_path(updates)[0]}
 
     def differing(signature):
         before = dict(zip(_leaf_paths_of(signature), signature[1]))
-        return sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+        names = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+        kind = [k for k in names if k in before and k in now and before[k][0] == now[k][0]
+                and jnp.issubdtype(before[k][1], jnp.floating)
+                != jnp.issubdtype(now[k][1], jnp.floating)]
+        return names, kind
 
     same_state = [s for s, state in built.items() if state == have] or list(built)
-    names = min((differing(s) for s in same_state), key=len)
-    return f" (leaves that differ from the tree init was given: {', '.join(names)})" if names \
-        else ""
+    names, kind = min((differing(s) for s in same_state), key=lambda d: len(d[0]))
+    if not names:
+        return renew
+    listed = f" (leaves that differ from the tree init was given: {', '.join(names)})"
+    if kind != names:
+        return listed + renew
+    return (f"{listed}: floating-point in the updates but not in the tree init was given, or "
+            "the other way round, so the state has nothing for them (an optimizer before "
+            "this transform, such as optax.adam, gives an integer parameter a floating-point "
+            "update); leave integer leaves out of the optimizer (optax.masked) or call init on "
+            "a tree whose leaves have the updates' dtypes")
 
 
