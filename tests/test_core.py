@@ -201,6 +201,26 @@ def test_per_leaf_means_of_huge_finite_values_stay_finite():
     assert float(logged["clip_value/max_abs_max"]) == np.float32(3e38)
 
 
+@pytest.mark.parametrize("factory", [
+    lambda: optclip.clip_norm(1.0, ord="std"), lambda: optclip.normalize(ord="std"),
+    lambda: optclip.clip_norm_by_ema(ord="std"), lambda: optclip.normalize_by_ema(ord="std"),
+    lambda: optclip.clip_norm_growth(ord="std")], ids=[
+    "clip_norm", "normalize", "clip_norm_by_ema", "normalize_by_ema", "clip_norm_growth"])
+def test_a_std_whose_mean_overflows_is_counted_as_nonfinite(factory):
+    """The documented limit of a plain mean: finite elements whose slice sum leaves float32's
+    range (1e35 on 10^4 elements) give a non-finite 'std', and the call is counted in
+    ``nonfinite``, never taken silently as a finite step."""
+    huge = jnp.asarray(1e35 * (1 + 0.1 * np.random.default_rng(0).normal(size=(100, 100))),
+                       jnp.float32)
+    assert bool(jnp.all(jnp.isfinite(huge)))
+    assert np.sum(np.asarray(huge, np.float64)) > np.finfo(np.float32).max
+    tx = factory()
+    grads = {"w": huge, "b": jnp.asarray([1.0, 2.0, 4.0])}
+    _, state = tx.update(grads, tx.init(grads))
+    counted = [v for k, v in optclip.stats(state).items() if k.endswith("/nonfinite")]
+    assert [int(v) for v in counted] == [1]
+
+
 def test_nonfinite_step_keeps_the_last_finite_diagnostics_and_counts():
     tx = optclip.clip_by_global_norm(1.0)
     _, state = tx.update(GRADS, tx.init(PARAMS))
