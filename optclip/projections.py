@@ -73,6 +73,11 @@ def _projection(name: str, measure, apply, state_cls: type, limits, axis_name: n
             lambda p: tuple(measure(lambda for_reduction=False: p, limits(zero))[0]), params)
         return state_cls(*diag, zero, jnp.zeros([], jnp.int32))
 
+    def projected_leaf(u, p):
+        # The parameter's dtype decides, as in init: an integer parameter is not projected,
+        # whatever update (float, after adam) it gets; nor is a float one given no float update.
+        return norms.is_float(p) and norms.is_float(u)
+
     def update_fn(updates, state, params=None):
         slices.require_params(params, name, updates)
         def build(for_reduction=False):
@@ -81,7 +86,7 @@ def _projection(name: str, measure, apply, state_cls: type, limits, axis_name: n
             # size of the leaf); as two expressions, each is fused into its own pass.
             def target(u, p):
                 return (u - (-p) if for_reduction else p + u).astype(p.dtype)
-            return jax.tree.map(lambda u, p: target(u, p) if norms.is_float(p) else p,
+            return jax.tree.map(lambda u, p: target(u, p) if projected_leaf(u, p) else p,
                                 updates, params)
 
         at = limits(state.count)
@@ -90,7 +95,7 @@ def _projection(name: str, measure, apply, state_cls: type, limits, axis_name: n
         # The updates wait for the check: no copy of the donated updates buffers for it.
         projected = apply(build(), stats_lib.after(finite, at), measured)
         new_updates = jax.tree.map(
-            lambda u, px, p: (px - p).astype(u.dtype) if norms.is_float(p) else u,
+            lambda u, px, p: (px - p).astype(u.dtype) if projected_leaf(u, p) else u,
             updates, projected, params)
         new_state = state_cls(*diag, state.nonfinite, optax.safe_increment(state.count))
         return new_updates, stats_lib.commit(finite, new_state, state)
