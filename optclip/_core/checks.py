@@ -239,17 +239,23 @@ def params_like(updates: Any, params: Any, name: str) -> None:
     update is an array, a leaf of its shape: an error naming the transform and the leaf,
     where a mismatched tree would otherwise fail deep inside the step or, broadcast, give a
     silent wrong answer."""
+    mismatch = _params_mismatch(updates, params)
+    if mismatch:
+        raise ValueError(f"{name}: {mismatch}")
+
+
+def _params_mismatch(updates: Any, params: Any) -> str:
+    """What makes ``params`` not pair with ``updates`` (:func:`params_like`), or ``""``."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
     try:
         paired = treedef.flatten_up_to(params)
     except (ValueError, TypeError) as error:
-        raise ValueError(f"{name}: params must have the tree structure of the updates "
-                         f"({error})") from None
+        return f"params must have the tree structure of the updates ({error})"
     for (path, u), p in zip(leaves, paired):
         if hasattr(u, "shape") and np.shape(p) != np.shape(u):
-            raise ValueError(
-                f"{name}: params{jax.tree_util.keystr(path)} has shape {np.shape(p)}, its "
-                f"update {np.shape(u)}: pass the parameters the updates are for")
+            return (f"params{jax.tree_util.keystr(path)} has shape {np.shape(p)}, its "
+                    f"update {np.shape(u)}: pass the parameters the updates are for")
+    return ""
 
 
 def transformation(init_fn: Callable[[Any], Any], update_fn: Callable[..., Any], *,
@@ -294,24 +300,14 @@ def transformation(init_fn: Callable[[Any], Any], update_fn: Callable[..., Any],
         updates = arrays(updates)
         state = on_device(state)
         params = None if params is None else arrays(params)
-        like = params if state_follows_params and _same_shapes(params, updates) else updates
+        like = (params if state_follows_params and params is not None
+                and not _params_mismatch(updates, params) else updates)
         matches_init(init_fn, like, state, built, pairs_leaves)
         return update_fn(updates, state, params, **extra)
 
     if extra_args:
         return optax.GradientTransformationExtraArgs(init, update)
     return optax.GradientTransformation(init, update)
-
-
-def _same_shapes(params: Any, updates: Any) -> bool:
-    """Whether ``params`` is a tree of the updates' structure and leaf shapes (where it is not,
-    the transform's own check names the mismatch)."""
-    if params is None:
-        return False
-    p_leaves, p_def = jax.tree.flatten(params)
-    u_leaves, u_def = jax.tree.flatten(updates)
-    return p_def == u_def and all(np.shape(p) == np.shape(u)
-                                  for p, u in zip(p_leaves, u_leaves))
 
 
 def _signature(tree: Any) -> tuple:
